@@ -1,0 +1,221 @@
+"""``charserve bench``: a streaming load generator for any OpenAI-compatible server.
+
+Closed loop at a fixed concurrency (``--concurrency``) or open loop at a Poisson rate
+(``--rate``). Per request it records TTFT (first content token), the gaps between content
+chunks (ITL), TPOT ((end-to-end - TTFT) / (tokens - 1)), end to end, and tokens from the
+server's own usage report. ``--compare URL`` runs the identical workload against a second
+server in the same run, alternating rounds (A, B, A, B, ...) so both see the same machine
+conditions, and prints the ratios of the first URL's figures over the second's.
+
+Requests ask for exactly ``--max-tokens`` tokens (``ignore_eos``), so both servers do the
+same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SYSTEM_PROMPT = (
+    "You are Captain Mira Vance, the sharp-tongued but kind captain of the starship "
+    "Wayfarer. You speak in short, vivid sentences and never break character."
+)
+USER_PROMPTS = [
+    "Captain, the engines are making that noise again. What do we do?",
+    "Tell me about the first time you flew through the Kessler Belt.",
+    "Are we going to make it to the outpost before the storm hits?",
+    "What do you think of the new navigator?",
+]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request's measurements (seconds)."""
+
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, max_tokens: int, prompt: str
+) -> Sample:
+    """Send one streaming chat completion and time it."""
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    sample = Sample(ok=False)
+    last = start
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return sample
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    sample.error = str(event["error"].get("message"))
+                    return sample
+                if event.get("usage"):
+                    sample.output_tokens = int(event["usage"]["completion_tokens"])
+                for choice in event.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        if sample.ttft_s == 0.0:
+                            sample.ttft_s = now - start
+                        else:
+                            sample.itl_s.append(now - last)
+                        last = now
+        sample.e2e_s = time.perf_counter() - start
+        sample.ok = sample.ttft_s > 0.0
+        if not sample.ok:
+            sample.error = "no content"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+    return sample
+
+
+async def run_round(
+    url: str, model: str, requests: int, concurrency: int, rate: float | None,
+    max_tokens: int, seed: int,
+) -> tuple[list[Sample], float]:
+    """One round: ``requests`` requests closed-loop at ``concurrency``, or open-loop at
+    ``rate`` per second. Returns the samples and the round's wall time."""
+    rng = random.Random(seed)
+    prompts = [rng.choice(USER_PROMPTS) for _ in range(requests)]
+    limits = httpx.Limits(max_connections=max(concurrency, 64), max_keepalive_connections=max(concurrency, 64))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+        if rate is None:
+            queue = list(prompts)
+            samples: list[Sample] = []
+
+            async def worker() -> None:
+                while queue:
+                    samples.append(await one_request(client, url, model, max_tokens, queue.pop()))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            tasks = []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(one_request(client, url, model, max_tokens, prompt)))
+                await asyncio.sleep(rng.expovariate(rate))
+            samples = list(await asyncio.gather(*tasks))
+        return samples, time.perf_counter() - start
+
+
+def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    """Percentiles (ms), throughput and error count for a set of samples."""
+    ok = [s for s in samples if s.ok]
+    itl = [x for s in ok for x in s.itl_s]
+    out: dict[str, Any] = {"requests": len(samples), "errors": len(samples) - len(ok)}
+    for name, values in (
+        ("ttft", [s.ttft_s for s in ok]),
+        ("itl", itl),
+        ("tpot", [s.tpot_s for s in ok if s.output_tokens > 1]),
+        ("e2e", [s.e2e_s for s in ok]),
+    ):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = round(percentile(values, q) * 1000.0, 2)
+    out["output_tokens"] = sum(s.output_tokens for s in ok)
+    out["output_tokens_per_s"] = round(out["output_tokens"] / wall_s, 2) if wall_s > 0 else 0.0
+    errors = [s.error for s in samples if not s.ok]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole benchmark; return per-target summaries and ratios."""
+    targets = [args.base_url] + ([args.compare] if args.compare else [])
+    for url in targets:  # warm-up, not measured
+        await run_round(url, args.model, args.warmup, min(args.concurrency, args.warmup), None, args.max_tokens, 0)
+    collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
+    for r in range(args.rounds):
+        for url in targets:
+            samples, wall = await run_round(
+                url, args.model, args.requests, args.concurrency, args.rate, args.max_tokens, r + 1
+            )
+            before, total = collected[url]
+            collected[url] = (before + samples, total + wall)
+    result: dict[str, Any] = {
+        "workload": {
+            "concurrency": args.concurrency, "rate": args.rate, "requests_per_round": args.requests,
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "model": args.model,
+        },
+        "targets": {u: summarize(*collected[u]) for u in targets},
+    }
+    if args.compare:
+        a, b = result["targets"][args.base_url], result["targets"][args.compare]
+        result["ratios"] = {
+            k: round(a[k] / b[k], 3) for k in a if k.endswith(("_ms", "_per_s")) and b.get(k)
+        }
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``charserve bench``."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--compare", default=None, help="second server, same workload, same run")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--rate", type=float, default=None, help="open loop: requests/s")
+    parser.add_argument("--requests", type=int, default=20, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--output", default=None, help="write the JSON result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``charserve bench`` and print a table."""
+    result = asyncio.run(bench(args))
+    keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
+            "e2e_p50_ms", "output_tokens_per_s", "errors"]
+    urls = list(result["targets"])
+    print(f"{'metric':<22}" + "".join(f"{u:>32}" for u in urls) + ("   ratio" if args.compare else ""))
+    for k in keys:
+        row = f"{k:<22}" + "".join(f"{result['targets'][u].get(k, ''):>32}" for u in urls)
+        if args.compare and k in result.get("ratios", {}):
+            row += f"   {result['ratios'][k]:.3f}"
+        print(row)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    return 0 if all(t["errors"] == 0 for t in result["targets"].values()) else 1
+

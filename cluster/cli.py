@@ -1,0 +1,108 @@
+"""The ``charserve`` command line.
+
+- ``charserve up``: the embedded stack (what ``make run`` runs).
+- ``charserve gateway``: gateway processes alone, against ``CHARSERVE_REDIS_URL``.
+- ``charserve prepare-model``: convert the bundled model once; print its folder.
+- ``charserve bench``: the streaming load generator (see ``cluster.bench``).
+
+This is the composition root: it names the gateway app by import string only, so the
+``cluster`` package never imports ``gateway`` or ``workers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from types import FrameType
+
+import structlog
+
+from cluster.logging import configure_logging
+from cluster.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(settings: Settings) -> int:
+    """Run the embedded stack until Ctrl-C or SIGTERM."""
+    from cluster.local import LocalStack
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    stack = LocalStack(settings)
+    code = 0
+    try:
+        stack.start()
+        log.info("charserve ready", url=stack.base_url, model=settings.served_model_name)
+        sys.stderr.write(f"charserve ready on {stack.base_url}\n")
+        sys.stderr.flush()
+        code = stack.wait()
+    except KeyboardInterrupt:
+        log.info("stopping")
+    finally:
+        stack.stop()
+        log.info("stopped")
+    return code
+
+
+def cmd_gateway(settings: Settings) -> int:
+    """Serve the gateway with uvicorn (``CHARSERVE_GATEWAY_WORKERS`` processes)."""
+    import uvicorn
+
+    if not settings.redis_url:
+        sys.stderr.write("charserve gateway needs CHARSERVE_REDIS_URL\n")
+        return 2
+    uvicorn.run(
+        "gateway.app:create_app",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.gateway_workers,
+        loop="uvloop",
+        http="httptools",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def cmd_prepare_model(settings: Settings) -> int:
+    """Prepare the bundled model (or resolve CHARSERVE_MODEL) and print its path."""
+    from cluster.models import resolve_model
+
+    print(resolve_model(settings.model))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``charserve`` console script."""
+    parser = argparse.ArgumentParser(prog="charserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="run the embedded stack on this machine")
+    sub.add_parser("gateway", help="run gateway processes against a shared Redis")
+    sub.add_parser("prepare-model", help="prepare the bundled model and print its folder")
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    from cluster.bench import add_arguments
+
+    add_arguments(bench)
+    args = parser.parse_args(argv)
+    settings = Settings()
+    configure_logging(settings.log_level, settings.log_format)
+    if args.command == "up":
+        return cmd_up(settings)
+    if args.command == "gateway":
+        return cmd_gateway(settings)
+    if args.command == "prepare-model":
+        return cmd_prepare_model(settings)
+    from cluster.bench import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

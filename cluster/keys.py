@@ -1,0 +1,67 @@
+"""Every Redis key and channel name charserve uses, in one place.
+
+All keys share one namespace prefix so several deployments can share a Redis, and so an
+operator can find (and ``SCAN``) everything charserve stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key and channel names under one namespace."""
+
+    namespace: str = "charserve"
+
+    @property
+    def queue(self) -> str:
+        """Sorted set of queued job ids, score = deadline (EDF) or arrival (FIFO), in ms."""
+        return f"{self.namespace}:queue"
+
+    @property
+    def jobs(self) -> str:
+        """Hash: job id -> encoded Job body, for queued and claimed jobs."""
+        return f"{self.namespace}:jobs"
+
+    @property
+    def leases(self) -> str:
+        """Sorted set of claimed job ids, score = lease expiry (Redis time, ms)."""
+        return f"{self.namespace}:leases"
+
+    @property
+    def owners(self) -> str:
+        """Hash: claimed job id -> worker id holding its lease."""
+        return f"{self.namespace}:owners"
+
+    @property
+    def cancelled(self) -> str:
+        """Set of job ids cancelled before or while running."""
+        return f"{self.namespace}:cancelled"
+
+    @property
+    def wake(self) -> str:
+        """List workers block on (BLPOP): one token per enqueue wakes one idle worker."""
+        return f"{self.namespace}:wake"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of worker ids, score = last heartbeat (ms)."""
+        return f"{self.namespace}:workers"
+
+    def worker_stats(self, worker_id: str) -> str:
+        """Latest encoded WorkerStats of one worker (expires with its heartbeat)."""
+        return f"{self.namespace}:worker:{worker_id}"
+
+    def inbox(self, gateway_id: str) -> str:
+        """Pub/sub channel a gateway process receives every chunk of its requests on."""
+        return f"{self.namespace}:inbox:{gateway_id}"
+
+    def control(self, worker_id: str) -> str:
+        """Pub/sub channel carrying Cancel messages to one worker."""
+        return f"{self.namespace}:control:{worker_id}"
+
+    def log(self, request_id: str) -> str:
+        """Capped stream of a request's chunks, for gap repair, resume and replay."""
+        return f"{self.namespace}:log:{request_id}"

@@ -1,0 +1,158 @@
+"""The messages that cross process boundaries, and their msgpack encoding.
+
+Every message is a frozen, slotted dataclass. On the wire it is a msgpack array
+``[kind, version, field1, field2, ...]`` in declaration order: compact, fast to build and
+parse, and explicit about its version. Decoding rejects an unknown kind or version with a
+:class:`ProtocolError` instead of guessing. Never pickle: workers and gateways may run
+different builds, and a Redis shared with other services must not execute anything.
+
+Adding a field: append it with a default and bump ``VERSION``; decoders accept the
+versions listed in ``_ACCEPTED``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeVar, Union
+
+import msgpack
+
+VERSION = 1
+_ACCEPTED = frozenset({1})
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded: wrong kind, unknown version, or wrong shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One generation request, queued by a gateway and claimed by a worker."""
+
+    KIND: ClassVar[str] = "job"
+
+    id: str
+    reply_to: str
+    model: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    arrival_ms: int
+    deadline_ms: int
+    priority_class: str = "interactive"
+    tenant: str = "default"
+    attempt: int = 0
+    # Tokens already delivered by an earlier attempt; a retry continues after them.
+    resume_token_ids: list[int] = field(default_factory=list)
+    resume_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of a reply: a text delta with cumulative counts, or the end of the reply.
+
+    ``seq`` starts at 1 and increases by one per chunk of a request, so a receiver can
+    detect a gap. ``finish_reason`` is set only on the last chunk; ``error_code`` is set
+    when the reply ended in error (then ``finish_reason`` is ``"error"``).
+    """
+
+    KIND: ClassVar[str] = "chunk"
+
+    request_id: str
+    seq: int
+    text: str
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    cached_tokens: int = 0
+    worker_id: str = ""
+    # Timings measured by the worker, in ms: queue wait (arrival -> claim), and
+    # claim -> first token.
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_final(self) -> bool:
+        """True for the last chunk of a reply."""
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop a request: remove it from the queue, or abort it in the engine."""
+
+    KIND: ClassVar[str] = "cancel"
+
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """What a worker publishes with each heartbeat: capacity and recent rates."""
+
+    KIND: ClassVar[str] = "stats"
+
+    worker_id: str
+    max_slots: int
+    running: int
+    ts_ms: int
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    claimed_total: int = 0
+    draining: bool = False
+
+    @property
+    def free_slots(self) -> int:
+        """Batch slots not in use."""
+        return max(0, self.max_slots - self.running)
+
+
+Message = Union[Job, Chunk, Cancel, WorkerStats]
+M = TypeVar("M", Job, Chunk, Cancel, WorkerStats)
+
+_TYPES: dict[str, type[Any]] = {cls.KIND: cls for cls in (Job, Chunk, Cancel, WorkerStats)}
+_FIELDS: dict[type[Any], tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls)) for cls in _TYPES.values()
+}
+
+
+def encode(message: Message) -> bytes:
+    """Encode one message as ``[kind, version, *fields]``."""
+    names = _FIELDS[type(message)]
+    return msgpack.packb(
+        [message.KIND, VERSION, *(getattr(message, n) for n in names)], use_bin_type=True
+    )
+
+
+def decode(data: bytes) -> Message:
+    """Decode any message; raise :class:`ProtocolError` on anything unexpected."""
+    try:
+        items = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+        raise ProtocolError(f"not a charserve message: {exc}") from exc
+    if not isinstance(items, list) or len(items) < 2:
+        raise ProtocolError("not a charserve message: expected [kind, version, ...]")
+    kind, version = items[0], items[1]
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if version not in _ACCEPTED:
+        raise ProtocolError(
+            f"unsupported {kind} version {version!r} (this build reads {sorted(_ACCEPTED)})"
+        )
+    try:
+        return cls(*items[2:])  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise ProtocolError(f"malformed {kind} message: {exc}") from exc
+
+
+def decode_as(data: bytes, cls: type[M]) -> M:
+    """Decode and check the message is of type ``cls``."""
+    message = decode(data)
+    if not isinstance(message, cls):
+        raise ProtocolError(f"expected {cls.KIND}, got {message.KIND}")
+    return message

@@ -1,0 +1,183 @@
+"""The work queue in Redis: earliest-deadline-first, with leases, so no accepted job is lost.
+
+Layout (names in :mod:`cluster.keys`):
+
+- ``queue``: sorted set of waiting job ids; score = deadline (EDF) or arrival (FIFO), ms.
+- ``jobs``: hash id -> encoded :class:`~cluster.protocol.Job`, for waiting and claimed jobs.
+- ``leases``: sorted set of claimed ids; score = lease expiry in Redis server time (ms).
+- ``owners``: hash id -> worker id holding the lease.
+- ``wake``: a short list that idle workers ``BLPOP``; every enqueue pushes one token, so an
+  idle worker wakes within a network round trip of an enqueue instead of polling.
+
+Every state change is one Lua script, so a worker that dies between two commands cannot
+leave a job half-claimed. Lease times use Redis's own clock, so workers on other machines
+with skewed clocks agree on expiry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Job
+
+QueuePolicy = Literal["edf", "fifo"]
+CancelOutcome = Literal["dequeued", "signalled", "unknown"]
+
+# Wake tokens beyond this many are pointless: there are never that many idle workers.
+_WAKE_CAP = 64
+
+_ENQUEUE = """
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3]) == 0 then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('LPUSH', KEYS[3], '1')
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
+return 1
+"""
+
+_CLAIM = """
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
+local want = tonumber(ARGV[2])
+local out = {}
+while #out < want do
+  local popped = redis.call('ZPOPMIN', KEYS[1])
+  if #popped == 0 then break end
+  local id = popped[1]
+  local body = redis.call('HGET', KEYS[2], id)
+  if body then
+    redis.call('ZADD', KEYS[3], expiry, id)
+    redis.call('HSET', KEYS[4], id, ARGV[1])
+    out[#out + 1] = body
+  end
+end
+return out
+"""
+
+_ACK = """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+_RENEW = """
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2])
+local lost = {}
+for i = 3, #ARGV do
+  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
+    redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+_CANCEL = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  return 'dequeued'
+end
+local owner = redis.call('HGET', KEYS[3], ARGV[1])
+if owner then
+  redis.call('PUBLISH', ARGV[2] .. owner, ARGV[3])
+  return 'signalled'
+end
+return 'unknown'
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """A snapshot of the queue."""
+
+    waiting: int
+    claimed: int
+
+
+class JobQueue:
+    """Enqueue, claim, ack, renew and cancel jobs. One instance per process is enough; it
+    holds no state beyond its Redis client and registered scripts."""
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, policy: QueuePolicy = "edf"
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self.policy: QueuePolicy = policy
+        self._enqueue = redis.register_script(_ENQUEUE)
+        self._claim = redis.register_script(_CLAIM)
+        self._ack = redis.register_script(_ACK)
+        self._renew = redis.register_script(_RENEW)
+        self._cancel = redis.register_script(_CANCEL)
+
+    def score(self, job: Job) -> int:
+        """Queue order: deadline for EDF, arrival for FIFO (lower runs first)."""
+        return job.deadline_ms if self.policy == "edf" else job.arrival_ms
+
+    async def enqueue(self, job: Job) -> bool:
+        """Queue ``job`` and wake one idle worker. False if its id is already queued."""
+        k = self._keys
+        added = await self._enqueue(
+            keys=[k.queue, k.jobs, k.wake],
+            args=[job.id, self.score(job), protocol.encode(job), _WAKE_CAP],
+        )
+        return bool(added)
+
+    async def claim(self, worker_id: str, max_jobs: int, lease_ms: int) -> list[Job]:
+        """Atomically take up to ``max_jobs`` jobs in queue order and lease them."""
+        if max_jobs <= 0:
+            return []
+        k = self._keys
+        bodies = await self._claim(
+            keys=[k.queue, k.jobs, k.leases, k.owners], args=[worker_id, max_jobs, lease_ms]
+        )
+        return [protocol.decode_as(body, Job) for body in bodies]
+
+    async def wait_for_work(self, redis: aioredis.Redis, timeout_s: float) -> bool:
+        """Block on the wake list until an enqueue (True) or the timeout (False).
+
+        ``redis`` must be a client whose connection may block (a dedicated one).
+        """
+        got = await redis.blpop([self._keys.wake], timeout=timeout_s)
+        return got is not None
+
+    async def ack(self, job_id: str, worker_id: str) -> bool:
+        """Finish a job: drop its body and lease. False if the lease was no longer ours."""
+        k = self._keys
+        done = await self._ack(keys=[k.leases, k.jobs, k.owners], args=[job_id, worker_id])
+        return bool(done)
+
+    async def renew(self, worker_id: str, job_ids: list[str], lease_ms: int) -> list[str]:
+        """Extend our leases; return the ids whose lease is no longer ours."""
+        if not job_ids:
+            return []
+        k = self._keys
+        lost = await self._renew(keys=[k.leases, k.owners], args=[worker_id, lease_ms, *job_ids])
+        return [x.decode() if isinstance(x, bytes) else str(x) for x in lost]
+
+    async def cancel(self, job_id: str, reason: str = "client_disconnected") -> CancelOutcome:
+        """Remove a waiting job, or tell the worker running it to abort."""
+        k = self._keys
+        message = protocol.encode(protocol.Cancel(request_id=job_id, reason=reason))
+        outcome = await self._cancel(
+            keys=[k.queue, k.jobs, k.owners], args=[job_id, k.control(""), message]
+        )
+        text = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        return text  # type: ignore[return-value]
+
+    async def stats(self) -> QueueStats:
+        """How many jobs wait and how many are claimed."""
+        k = self._keys
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(k.queue)
+            pipe.zcard(k.leases)
+            waiting, claimed = await pipe.execute()
+        return QueueStats(waiting=int(waiting), claimed=int(claimed))

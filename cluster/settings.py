@@ -1,0 +1,69 @@
+"""Typed settings for every charserve process (environment prefix ``CHARSERVE_``).
+
+Settings are built once in each process's entry point (``Settings()``) and passed down;
+nothing reads the environment at import time, so tests can build their own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PriorityClass = Literal["interactive", "standard", "batch"]
+
+
+class Settings(BaseSettings):
+    """Everything an operator can set. Field names map to ``CHARSERVE_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="CHARSERVE_", extra="ignore")
+
+    # Where things are.
+    redis_url: str | None = Field(
+        default=None, description="Redis to use; unset in `charserve up` starts a local one."
+    )
+    namespace: str = Field(default="charserve", description="Prefix of every Redis key.")
+    host: str = Field(default="127.0.0.1", description="Gateway bind address.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Gateway port.")
+    gateway_workers: int = Field(default=1, ge=1, description="Gateway processes in `up`.")
+
+    # The model.
+    model: str | None = Field(
+        default=None, description="HF folder or id; unset uses the bundled SmolLM2-135M."
+    )
+    served_model_name: str = Field(
+        default="smollm2-135m-instruct", description="Model name clients ask for."
+    )
+    max_model_len: int = Field(default=2048, ge=64, description="Context window in tokens.")
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="max_tokens when a request leaves it out."
+    )
+
+    # Serving.
+    serve_config: str = Field(
+        default="ray-configs/local-cpu.yaml", description="Serve config `up` deploys."
+    )
+    publish_interval_ms: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Coalesce later tokens of one request for up to this long (0: send "
+        "whatever accumulated while the previous publish was in flight).",
+    )
+    lease_ms: int = Field(default=10_000, ge=100, description="Claim lease length.")
+    heartbeat_ms: int = Field(default=1_000, ge=50, description="Worker heartbeat period.")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest a gateway waits for one reply."
+    )
+    budget_interactive_ms: int = Field(
+        default=2_000, ge=1, description="TTFT budget of the interactive class."
+    )
+    budget_standard_ms: int = Field(default=30_000, ge=1)
+    budget_batch_ms: int = Field(default=86_400_000, ge=1)
+    queue_policy: Literal["edf", "fifo"] = Field(
+        default="edf", description="edf: earliest deadline first; fifo: arrival order."
+    )
+    log_format: Literal["auto", "json", "console"] = Field(
+        default="auto", description="auto: pretty on a TTY, JSON otherwise."
+    )
+    log_level: str = Field(default="info")

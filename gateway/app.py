@@ -1,0 +1,193 @@
+"""The gateway application: routes, error handlers, request ids, and its lifespan.
+
+``create_app()`` is a factory (uvicorn ``--factory``) so settings are read in the serving
+process, never at import time. The lifespan connects to Redis, subscribes the inbox (before
+the first request can be enqueued) and loads the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.keys import Keys
+from cluster.logging import configure_logging
+from cluster.models import resolve_model
+from cluster.queue import JobQueue
+from cluster.redis import connect
+from cluster.settings import Settings
+from gateway.admission import admit
+from gateway.chat import ChatService, new_request_id, now_ms
+from gateway.errors import APIError, BadRequest, error_response
+from gateway.prompts import PromptBuilder
+from gateway.relay import Inbox
+from gateway.schemas import ChatCompletionRequest
+
+log = structlog.get_logger(__name__)
+
+_ALLOWED_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the client's ``X-Request-Id`` if sane) and puts it on
+    every response. Pure ASGI, so streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        ok = 0 < len(given) <= 128 and set(given) <= _ALLOWED_ID
+        request_id = given if ok else new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        raw = request_id.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message["headers"] = [*headers, (b"x-request-id", raw)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _request_id(request: Request) -> str:
+    return str(getattr(request.state, "request_id", "") or new_request_id())
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return BadRequest(f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
+        return BadRequest("the body must be a JSON object", code="invalid_json")
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return BadRequest(message, param=param, code="invalid_value")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the gateway app; settings default to the environment."""
+    settings = settings or Settings()
+    configure_logging(settings.log_level, settings.log_format)
+    keys = Keys(settings.namespace)
+    gateway_id = uuid.uuid4().hex[:12]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.redis_url:
+            raise RuntimeError("the gateway needs CHARSERVE_REDIS_URL")
+        redis = connect(settings.redis_url)
+        inbox = Inbox(redis, keys, gateway_id)
+        await inbox.start()
+        model_path = await asyncio.to_thread(resolve_model, settings.model)
+        prompts = await asyncio.to_thread(
+            PromptBuilder, model_path, settings.max_model_len, settings.default_max_tokens
+        )
+        queue = JobQueue(redis, keys, settings.queue_policy)
+        app.state.redis = redis
+        app.state.inbox = inbox
+        app.state.chat = ChatService(settings, queue, inbox, prompts)
+        log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
+        try:
+            yield
+        finally:
+            await inbox.close()
+            await redis.aclose()
+
+    app = FastAPI(title="charserve", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, _request_id(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc), _request_id(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        error.status = exc.status_code
+        error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(error, _request_id(request))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", request_id=_request_id(request))
+        return error_response(APIError("internal error"), _request_id(request))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI Chat Completions, streaming (SSE) or not."""
+        request_id = _request_id(request)
+        admission = admit(
+            settings,
+            now_ms(),
+            request.headers.get("x-priority"),
+            request.headers.get("x-latency-budget-ms"),
+        )
+        chat: ChatService = request.app.state.chat
+        return await chat.complete(body, request_id, admission, "default", request.receive)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The served model, as OpenAI lists models."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "charserve",
+                    "max_model_len": settings.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        """Readiness: Redis answers, the inbox is subscribed, and a worker is claiming."""
+        redis = request.app.state.redis
+        inbox: Inbox = request.app.state.inbox
+        fresh_ms = now_ms() - 3 * settings.heartbeat_ms
+        try:
+            workers = await redis.zcount(keys.workers, fresh_ms, "+inf")
+        except RedisError:
+            return JSONResponse({"status": "unavailable", "reason": "redis"}, status_code=503)
+        if not inbox.subscribed.is_set():
+            return JSONResponse({"status": "unavailable", "reason": "inbox"}, status_code=503)
+        if workers == 0:
+            return JSONResponse({"status": "unavailable", "reason": "no_workers"}, status_code=503)
+        return JSONResponse({"status": "ready", "workers": workers})
+
+    return app
+

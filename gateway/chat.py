@@ -1,0 +1,216 @@
+"""``POST /v1/chat/completions``: validate, render, admit, enqueue, relay.
+
+The flow of one request: the model and options are checked and the prompt rendered (any
+problem is a 4xx before anything is queued); the reply stream is registered with the
+inbox; the job is enqueued. The handler waits for the first chunk while watching for a
+client disconnect, so an error that happens before any token (an expired deadline, a
+parameter the engine rejects) is still answered with a proper status. Then the reply is
+streamed as SSE, or collected into one JSON body. A client that goes away at any point
+cancels the job: dequeued if it waits, aborted in the engine if it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis.exceptions import RedisError
+
+from cluster.protocol import Chunk, Job
+from cluster.queue import JobQueue
+from cluster.settings import Settings
+from gateway.admission import Admission
+from gateway.errors import BadRequest, GatewayTimeout, NotFound, ServiceUnavailable, from_worker
+from gateway.prompts import PromptBuilder
+from gateway.relay import Inbox
+from gateway.schemas import ChatCompletionRequest
+from gateway.sse import DONE, ChunkFormatter, completion_body, error_event
+
+log = structlog.get_logger(__name__)
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the reply started."""
+
+
+def new_request_id() -> str:
+    """A fresh request id."""
+    return uuid.uuid4().hex
+
+
+def now_ms() -> int:
+    """Wall-clock ms (deadlines are shared across machines)."""
+    return time.time_ns() // 1_000_000
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
+    """Await ``awaitable`` unless the client disconnects first (then raise ClientGone)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise ClientGone
+
+
+class ChatService:
+    """Everything the chat route needs, built once per gateway process."""
+
+    def __init__(
+        self, settings: Settings, queue: JobQueue, inbox: Inbox, prompts: PromptBuilder
+    ) -> None:
+        self._settings = settings
+        self._queue = queue
+        self._inbox = inbox
+        self._prompts = prompts
+        self._cancels: set[asyncio.Task[Any]] = set()
+
+    def check(self, request: ChatCompletionRequest) -> None:
+        """Reject what this server cannot do, with the field at fault."""
+        if request.model != self._settings.served_model_name:
+            raise NotFound(
+                f"The model `{request.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        if request.n != 1:
+            raise BadRequest("only n=1 is supported", param="n")
+        extra = request.model_extra or {}
+        if extra.get("tools"):
+            raise BadRequest("tools are not supported by this model", param="tools")
+        if extra.get("logprobs"):
+            raise BadRequest("logprobs are not supported", param="logprobs")
+        for key in request.logit_bias or {}:
+            if not key.lstrip("-").isdigit():
+                raise BadRequest(
+                    f"logit_bias keys must be token ids, not {key!r}", param="logit_bias"
+                )
+
+    async def complete(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        admission: Admission,
+        tenant: str,
+        receive: Receive,
+    ) -> Response:
+        """Run one chat completion end to end."""
+        self.check(request)
+        prompt = self._prompts.build(request)
+        job = Job(
+            id=request_id,
+            reply_to=self._inbox.channel,
+            model=request.model,
+            prompt_token_ids=prompt.token_ids,
+            max_tokens=prompt.max_tokens,
+            sampling=request.sampling(),
+            arrival_ms=admission.arrival_ms,
+            deadline_ms=admission.deadline_ms,
+            priority_class=admission.priority_class,
+            tenant=tenant,
+        )
+        replies = self._inbox.open(request_id)
+        chunks = replies.chunks(self._settings.request_timeout_s)
+        handed_off = False
+        try:
+            try:
+                await self._queue.enqueue(job)
+            except RedisError as exc:
+                raise ServiceUnavailable(
+                    "the queue is unavailable", headers={"Retry-After": "1"}
+                ) from exc
+            first = await self._next(chunks, receive)
+            if first.error_code is not None:
+                raise from_worker(first.error_code, first.error_message)
+            meta = (f"chatcmpl-{request_id}", request.model, int(time.time()))
+            if request.stream:
+                fmt = ChunkFormatter(*meta, include_usage=request.include_usage)
+                handed_off = True
+                return StreamingResponse(
+                    self._sse(request_id, fmt, first, chunks),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            text, final = await _race_disconnect(self._collect(first, chunks), receive)
+            if final.error_code is not None:
+                raise from_worker(final.error_code, final.error_message)
+            return JSONResponse(completion_body(*meta, text, final))
+        except ClientGone:
+            self._cancel(request_id, "client_disconnected")
+            return Response(status_code=499)
+        except BaseException:
+            self._cancel(request_id, "failed")
+            raise
+        finally:
+            if not handed_off:
+                self._inbox.release(request_id)
+
+    async def _next(self, chunks: AsyncIterator[Chunk], receive: Receive) -> Chunk:
+        try:
+            chunk: Chunk = await _race_disconnect(chunks.__anext__(), receive)
+        except TimeoutError as exc:
+            raise GatewayTimeout("no reply from any worker in time") from exc
+        return chunk
+
+    async def _collect(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk]:
+        parts = [first.text]
+        final = first
+        if not first.is_final:
+            async for chunk in chunks:
+                parts.append(chunk.text)
+                final = chunk
+        return "".join(parts), final
+
+    async def _sse(
+        self, request_id: str, fmt: ChunkFormatter, first: Chunk, chunks: AsyncIterator[Chunk]
+    ) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            yield fmt.events(first)
+            if not first.is_final:
+                async for chunk in chunks:
+                    if chunk.error_code is not None:
+                        yield error_event(from_worker(chunk.error_code, chunk.error_message).body())
+                        break
+                    yield fmt.events(chunk)
+            finished = True
+            yield DONE
+        except TimeoutError:
+            finished = True
+            yield error_event(GatewayTimeout("the reply stopped arriving").body())
+            yield DONE
+        finally:
+            self._inbox.release(request_id)
+            if not finished:
+                self._cancel(request_id, "client_disconnected")
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        # A task, not an await: this runs inside cancelled scopes and finally blocks.
+        task = asyncio.get_running_loop().create_task(self._safe_cancel(request_id, reason))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _safe_cancel(self, request_id: str, reason: str) -> None:
+        try:
+            outcome = await self._queue.cancel(request_id, reason)
+            log.info("request cancelled", request_id=request_id, reason=reason, outcome=outcome)
+        except RedisError as exc:
+            log.warning("cancel failed", request_id=request_id, error=str(exc))
+

@@ -1,0 +1,77 @@
+"""Turn chat messages into prompt token ids with the model's own tokenizer and template.
+
+The gateway tokenises, not the worker, so that a prompt longer than the context window
+(or a ``max_tokens`` that cannot fit) is refused with a 400 before anything is queued,
+and so the worker hands vLLM token ids directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from gateway.errors import BadRequest
+from gateway.schemas import ChatCompletionRequest
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A rendered prompt and the completion length it may have."""
+
+    token_ids: list[int]
+    max_tokens: int
+
+
+class PromptBuilder:
+    """Applies the model's chat template and checks lengths against the context window."""
+
+    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
+        if self._tokenizer.chat_template is None:
+            raise ValueError(f"the tokenizer of {model_path} has no chat template")
+        self.max_model_len = max_model_len
+        self._default_max_tokens = default_max_tokens
+
+    def build(self, request: ChatCompletionRequest) -> Prompt:
+        """Render ``request.messages`` and decide ``max_tokens``; 400 if they cannot fit."""
+        messages = [{"role": _template_role(m.role), "content": m.text()} for m in request.messages]
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template rejected this conversation
+            raise BadRequest(f"cannot render the messages: {exc}", param="messages") from exc
+        # The template already placed the special tokens, as vLLM's chat path does.
+        token_ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        prompt_len = len(token_ids)
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your messages resulted in {prompt_len} tokens. "
+                "Please reduce the length of the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        asked = request.max_completion_tokens or request.max_tokens
+        if asked is not None and asked > room:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + asked} tokens ({prompt_len} in the "
+                f"messages, {asked} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return Prompt(token_ids, asked if asked is not None else min(self._default_max_tokens, room))
+
+
+def _template_role(role: str) -> str:
+    # Chat templates know system/user/assistant; OpenAI's newer "developer" is a system turn.
+    return "system" if role == "developer" else role

@@ -1,0 +1,109 @@
+"""OpenAI chat-completion chunk and response bodies, and SSE framing.
+
+Shapes follow OpenAI exactly: the first delta carries the role, ``finish_reason`` appears
+only on the last choice chunk (with an empty delta), ``stream_options.include_usage``
+adds a final chunk with ``choices: []`` and every earlier chunk carries ``usage: null``,
+and the stream ends with ``data: [DONE]``. Each event carries ``id: <seq>`` of the worker
+chunk it came from, for resuming.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.protocol import Chunk
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def usage(chunk: Chunk) -> dict[str, Any]:
+    """The OpenAI ``usage`` object from a final chunk's counts."""
+    return {
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens},
+    }
+
+
+def finish_reason(chunk: Chunk) -> str:
+    """OpenAI finish reason of a final chunk (vLLM's ``abort`` is not an OpenAI value)."""
+    reason = chunk.finish_reason or "stop"
+    return reason if reason in ("stop", "length", "content_filter", "tool_calls") else "stop"
+
+
+@dataclass(slots=True)
+class ChunkFormatter:
+    """Formats one request's stream; remembers whether the role was sent."""
+
+    completion_id: str
+    model: str
+    created: int
+    include_usage: bool
+    role_sent: bool = False
+
+    def _event(self, seq: int, choices: list[dict[str, Any]], usage_obj: Any = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = usage_obj
+        return f"id: {seq}\ndata: {_dumps(body)}\n\n".encode()
+
+    def events(self, chunk: Chunk) -> bytes:
+        """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
+        out = b""
+        if chunk.text or not self.role_sent:
+            delta: dict[str, Any] = {"content": chunk.text}
+            if not self.role_sent:
+                delta = {"role": "assistant", "content": chunk.text}
+                self.role_sent = True
+            out += self._event(
+                chunk.seq, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+            )
+        if chunk.is_final:
+            out += self._event(
+                chunk.seq,
+                [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(chunk)}],
+            )
+            if self.include_usage:
+                out += self._event(chunk.seq, [], usage(chunk))
+        return out
+
+
+def error_event(body: dict[str, Any]) -> bytes:
+    """An error inside an already-started stream (the ``openai`` client raises on it)."""
+    return f"data: {_dumps(body)}\n\n".encode()
+
+
+def completion_body(
+    completion_id: str, model: str, created: int, text: str, final: Chunk
+) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` response."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish_reason(final),
+            }
+        ],
+        "usage": usage(final),
+    }

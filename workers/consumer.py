@@ -1,0 +1,283 @@
+"""The consumer loop: claim jobs from Redis only while the engine has free batch slots,
+run them, stream their chunks back, and keep their leases alive.
+
+Why claim only with free slots: the order of work is decided in Redis, where the
+deadlines are. If a replica pulled more than it can batch, vLLM's own waiting queue
+would hold work that another, idle replica could have started. The loop wakes within a
+round trip of an enqueue (``BLPOP`` on the wake list), and the moment a slot frees it
+claims again, so continuous batching stays full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Cancel, Job, WorkerStats
+from cluster.queue import JobQueue, QueuePolicy
+from cluster.redis import connect
+from workers.engine import Engine
+from workers.errors import ExpiredJobError, JobError
+from workers.publisher import Publisher, RequestStream
+
+log = structlog.get_logger(__name__)
+
+
+def new_worker_id() -> str:
+    """A worker id that is unique across hosts and restarts."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds (deadlines are wall-clock, shared across machines)."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """Timing knobs of a consumer."""
+
+    lease_ms: int = 10_000
+    heartbeat_ms: int = 1_000
+    publish_interval_ms: float = 0.0
+    queue_policy: QueuePolicy = "edf"
+    drain_timeout_s: float = 30.0
+
+
+class Consumer:
+    """Claims and runs jobs for one engine. ``start()`` / ``close()`` own its tasks."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        keys: Keys,
+        engine: Engine,
+        config: ConsumerConfig,
+        worker_id: str | None = None,
+    ) -> None:
+        self.worker_id = worker_id or new_worker_id()
+        self._url = redis_url
+        self._keys = keys
+        self._engine = engine
+        self._config = config
+        self._redis: aioredis.Redis | None = None
+        self._blocking: aioredis.Redis | None = None
+        self._queue: JobQueue | None = None
+        self._publisher: Publisher | None = None
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._slot_freed = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._claimed_total = 0
+        self._tokens_since_beat = 0
+        self._last_beat_s = time.monotonic()
+
+    @property
+    def running(self) -> int:
+        """Jobs running now."""
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        """True while every background task is still running."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
+
+    async def start(self) -> None:
+        """Connect, announce this worker, and start claiming."""
+        self._redis = connect(self._url)
+        self._blocking = connect(self._url, blocking=True)
+        self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
+        self._publisher = Publisher(
+            self._redis, self._keys, interval_ms=self._config.publish_interval_ms
+        )
+        await self._publisher.start()
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self._keys.control(self.worker_id))
+        await self._beat()
+        self._tasks = [
+            asyncio.create_task(self._claim_loop(), name="claim"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._control_loop(pubsub), name="control"),
+        ]
+        log.info("consumer started", worker_id=self.worker_id, slots=self._engine.max_slots)
+
+    async def close(self) -> None:
+        """Stop claiming, let running jobs finish (up to the drain timeout), then stop."""
+        self._stopping = True
+        claim = self._tasks[0] if self._tasks else None
+        if claim is not None:
+            claim.cancel()
+            await asyncio.gather(claim, return_exceptions=True)
+        if self._running:
+            log.info("draining", running=len(self._running))
+            await asyncio.wait(
+                list(self._running.values()), timeout=self._config.drain_timeout_s
+            )
+        for task in list(self._running.values()):
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._publisher is not None:
+            await self._publisher.close()
+        if self._redis is not None:
+            try:
+                await self._redis.zrem(self._keys.workers, self.worker_id)
+            except RedisError:
+                pass
+            await self._redis.aclose()
+        if self._blocking is not None:
+            await self._blocking.aclose()
+        log.info("consumer stopped", worker_id=self.worker_id)
+
+    # -- claiming -------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        assert self._queue is not None and self._blocking is not None
+        while not self._stopping:
+            self._slot_freed.clear()
+            free = self._engine.max_slots - len(self._running)
+            if free <= 0:
+                await self._slot_freed.wait()
+                continue
+            try:
+                jobs = await self._queue.claim(self.worker_id, free, self._config.lease_ms)
+                if not jobs:
+                    await self._queue.wait_for_work(self._blocking, timeout_s=1.0)
+                    continue
+            except RedisError as exc:
+                log.warning("claim failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            claimed_ms = now_ms()
+            for job in jobs:
+                self._claimed_total += 1
+                task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
+                self._running[job.id] = task
+
+    async def _run(self, job: Job, claimed_ms: int) -> None:
+        assert self._publisher is not None and self._queue is not None
+        structlog.contextvars.bind_contextvars(request_id=job.id, tenant=job.tenant)
+        stream = RequestStream(
+            job=job, worker_id=self.worker_id, queue_ms=float(claimed_ms - job.arrival_ms)
+        )
+        started_s = time.perf_counter()
+        try:
+            if claimed_ms > job.deadline_ms:
+                raise ExpiredJobError(
+                    f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
+                    "past its latency budget"
+                )
+            async for out in self._engine.generate(job, priority=job.deadline_ms):
+                if stream.seq == 0 and not stream.pending_ids:
+                    stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
+                stream.pending_text.append(out.text)
+                stream.pending_ids.extend(out.token_ids)
+                stream.completion_tokens += len(out.token_ids)
+                stream.prompt_tokens = out.prompt_tokens
+                stream.cached_tokens = out.cached_tokens
+                self._tokens_since_beat += len(out.token_ids)
+                if out.finish_reason is not None:
+                    stream.finish_reason = out.finish_reason
+                self._publisher.mark(stream)
+            if not stream.finished:
+                stream.finish_reason = "stop"
+                self._publisher.mark(stream)
+        except asyncio.CancelledError:
+            await self._engine.abort(job.id)
+            self._fail(stream, "cancelled", "the request was cancelled")
+        except JobError as exc:
+            self._fail(stream, exc.code, str(exc))
+        except Exception as exc:  # an engine failure ends this job, not the worker
+            log.exception("job failed")
+            self._fail(stream, "internal_error", f"generation failed: {exc}")
+        finally:
+            self._running.pop(job.id, None)
+            self._slot_freed.set()
+        try:
+            await asyncio.wait_for(stream.done.wait(), timeout=30.0)
+            await self._queue.ack(job.id, self.worker_id)
+        except (TimeoutError, RedisError) as exc:
+            # The lease will expire and the job is requeued: never silently lost.
+            log.warning("could not finish job", error=str(exc))
+        structlog.contextvars.unbind_contextvars("request_id", "tenant")
+
+    def _fail(self, stream: RequestStream, code: str, message: str) -> None:
+        assert self._publisher is not None
+        stream.finish_reason = "error"
+        stream.error_code = code
+        stream.error_message = message
+        self._publisher.mark(stream)
+
+    # -- control and heartbeat ------------------------------------------------------
+
+    async def _control_loop(self, pubsub: aioredis.client.PubSub) -> None:
+        while True:
+            try:
+                message = await pubsub.get_message(timeout=1.0)
+            except RedisError as exc:
+                log.warning("control channel failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            if message is None:
+                continue
+            try:
+                cancel = protocol.decode_as(message["data"], Cancel)
+            except protocol.ProtocolError as exc:
+                log.warning("bad control message", error=str(exc))
+                continue
+            task = self._running.get(cancel.request_id)
+            if task is not None:
+                log.info("cancelling", request_id=cancel.request_id, reason=cancel.reason)
+                task.cancel()
+
+    async def _heartbeat_loop(self) -> None:
+        period_s = min(self._config.heartbeat_ms, self._config.lease_ms // 3) / 1000.0
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self._beat()
+            except RedisError as exc:
+                log.warning("heartbeat failed", error=str(exc))
+
+    async def _beat(self) -> None:
+        assert self._redis is not None and self._queue is not None
+        now_s = time.monotonic()
+        elapsed = max(1e-3, now_s - self._last_beat_s)
+        stats = WorkerStats(
+            worker_id=self.worker_id,
+            max_slots=self._engine.max_slots,
+            running=len(self._running),
+            ts_ms=now_ms(),
+            decode_tokens_per_s=self._tokens_since_beat / elapsed,
+            claimed_total=self._claimed_total,
+            draining=self._stopping,
+        )
+        self._tokens_since_beat, self._last_beat_s = 0, now_s
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._keys.workers, {self.worker_id: stats.ts_ms})
+            pipe.set(
+                self._keys.worker_stats(self.worker_id),
+                protocol.encode(stats),
+                px=self._config.heartbeat_ms * 3,
+            )
+            await pipe.execute()
+        lost = await self._queue.renew(
+            self.worker_id, list(self._running), self._config.lease_ms
+        )
+        for job_id in lost:
+            log.warning("lease lost, abandoning job", request_id=job_id)
+            task = self._running.get(job_id)
+            if task is not None:
+                task.cancel()

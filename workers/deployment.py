@@ -1,0 +1,109 @@
+"""The Ray Serve deployment: one replica = one engine + one consumer loop.
+
+Ray Serve owns the replica's lifecycle (placement with ``num_gpus``/``num_cpus``, health
+checks, restarts, autoscaling, rolling updates); the replica itself takes no HTTP traffic.
+It claims work from Redis and streams replies back over Redis, so any gateway can front
+any replica. ``build_app(args)`` is the builder a Serve config names::
+
+    applications:
+      - name: charserve
+        import_path: workers.deployment:build_app
+        args: {engine: {...}, redis_url: ...}
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve import Application
+
+from cluster.keys import Keys
+from cluster.logging import configure_logging
+from cluster.models import resolve_model
+from cluster.queue import QueuePolicy
+from workers.consumer import Consumer, ConsumerConfig
+from workers.engine import VllmEngine
+from workers.engine_config import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerArgs(BaseModel):
+    """The ``args`` of the Serve application (validated, so a typo fails the deploy)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    redis_url: str | None = Field(
+        default=None, description="Redis the replicas claim from; None = $CHARSERVE_REDIS_URL."
+    )
+    namespace: str = "charserve"
+    lease_ms: int = 10_000
+    heartbeat_ms: int = 1_000
+    publish_interval_ms: float = 0.0
+    queue_policy: QueuePolicy = "edf"
+    log_format: str = "json"
+    log_level: str = "info"
+
+    def resolved_redis_url(self) -> str:
+        """The Redis URL from the args or the environment."""
+        url = self.redis_url or os.environ.get("CHARSERVE_REDIS_URL")
+        if not url:
+            raise ValueError("no Redis: set args.redis_url or CHARSERVE_REDIS_URL")
+        return url
+
+
+@serve.deployment(
+    name="CharserveWorker",
+    ray_actor_options={"num_cpus": 1},
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_timeout_s=60,
+    max_ongoing_requests=4,
+)
+class WorkerReplica:
+    """Hosts one engine and its consumer loop inside a Serve replica."""
+
+    async def __init__(self, args: dict[str, Any]) -> None:
+        parsed = WorkerArgs.model_validate(args)
+        configure_logging(parsed.log_level, parsed.log_format)
+        os.environ.update(parsed.engine.env())
+        model_path = resolve_model(parsed.engine.model)
+        self._engine = VllmEngine(parsed.engine, model_path)
+        self._consumer = Consumer(
+            parsed.resolved_redis_url(),
+            Keys(parsed.namespace),
+            self._engine,
+            ConsumerConfig(
+                lease_ms=parsed.lease_ms,
+                heartbeat_ms=parsed.heartbeat_ms,
+                publish_interval_ms=parsed.publish_interval_ms,
+                queue_policy=parsed.queue_policy,
+            ),
+        )
+        await self._consumer.start()
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica."""
+        await self._engine.check_health()
+        if not self._consumer.alive:
+            raise RuntimeError("consumer loop stopped")
+
+    async def stats(self) -> dict[str, Any]:
+        """Worker id and jobs running, for operators and tests."""
+        return {"worker_id": self._consumer.worker_id, "running": self._consumer.running}
+
+    async def __del__(self) -> None:
+        """Graceful shutdown: stop claiming, finish in-flight work, stop the engine."""
+        await self._consumer.close()
+        self._engine.shutdown()
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder named by ``ray-configs/*.yaml``."""
+    WorkerArgs.model_validate(args)  # fail the deploy early on bad args
+    return WorkerReplica.bind(args)

@@ -1,0 +1,135 @@
+"""The engine a worker drives: a small :class:`Engine` protocol and its vLLM implementation.
+
+The protocol is the seam between the consumer loop and the model. Production always uses
+:class:`VllmEngine` (vLLM's ``AsyncLLM``: continuous batching, prefix caching, priority
+scheduling); unit tests may inject a deterministic engine.
+
+The gateway applies the chat template and sends token ids, so the engine skips
+tokenisation; vLLM still detokenises incrementally and hands back text deltas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from cluster.protocol import Job
+from workers.engine_config import EngineConfig
+from workers.errors import InvalidJobError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """One step's output for one request: the new text and tokens since the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class Engine(Protocol):
+    """What a worker needs from a model engine."""
+
+    @property
+    def max_slots(self) -> int:
+        """Requests the engine runs at once (its batch slots)."""
+        ...
+
+    def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
+        """Stream the reply to ``job``; cancelling the iteration aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request and free its slot."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise if the engine is dead."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes."""
+        ...
+
+
+# Sampling fields a job may set; everything else vLLM's SamplingParams knows is either
+# set here (max_tokens, output_kind) or internal.
+_SAMPLING_FIELDS = frozenset({
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "logit_bias", "allowed_token_ids", "bad_words",
+})
+
+
+def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The subset of a job's sampling fields that vLLM's ``SamplingParams`` accepts."""
+    return {k: v for k, v in sampling.items() if k in _SAMPLING_FIELDS and v is not None}
+
+
+class VllmEngine:
+    """vLLM's ``AsyncLLM`` behind the :class:`Engine` protocol."""
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        # vLLM is imported here only, so the rest of charserve never pays for it.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        self._config = config
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_kwargs(model_path)))
+        log.info(
+            "engine started",
+            model=model_path,
+            device=config.device,
+            max_num_seqs=config.max_num_seqs,
+            startup_s=round(time.monotonic() - started, 1),
+        )
+
+    @property
+    def max_slots(self) -> int:
+        return self._config.max_num_seqs
+
+    async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = [*job.prompt_token_ids, *job.resume_token_ids]
+        try:
+            params = SamplingParams(
+                **sampling_kwargs(job.sampling),
+                max_tokens=job.max_tokens - len(job.resume_token_ids),
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidJobError(str(exc)) from exc
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params, job.id, priority=priority
+        )
+        async for out in stream:
+            completion = out.outputs[0]
+            yield EngineOutput(
+                text=completion.text,
+                token_ids=list(completion.token_ids),
+                finish_reason=completion.finish_reason,
+                prompt_tokens=len(job.prompt_token_ids),
+                cached_tokens=out.num_cached_tokens or 0,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

@@ -1,0 +1,87 @@
+"""Engine settings, in one place for the workers and for vLLM's own OpenAI server.
+
+The CPU and GPU paths are one code path: ``device`` and a few sizes differ, nothing else.
+The same :class:`EngineConfig` renders vLLM's ``AsyncEngineArgs`` (for the workers) and the
+``vllm.entrypoints.openai.api_server`` command line (for side-by-side benchmarks), so a
+comparison always runs both on identical engine settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """vLLM engine settings for one replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="HF folder or id; None = bundled.")
+    served_model_name: str = "smollm2-135m-instruct"
+    device: Literal["cpu", "cuda"] = "cpu"
+    max_model_len: int = Field(default=2048, ge=64)
+    max_num_seqs: int = Field(default=32, ge=1, description="Batch slots per replica.")
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    kv_cache_space_gib: float = Field(
+        default=1.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE."
+    )
+    seed: int = 0
+
+    def engine_kwargs(self, model_path: str) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "served_model_name": [self.served_model_name],
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "enforce_eager": self.enforce_eager,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            # Requests carry a deadline-derived priority (lower runs first).
+            "scheduling_policy": "priority",
+            "seed": self.seed,
+        }
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.device == "cuda":
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return kwargs
+
+    def env(self) -> dict[str, str]:
+        """Environment variables the engine process needs."""
+        env = {"VLLM_CONFIGURE_LOGGING": "0"}
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
+        return env
+
+    def server_args(self, model_path: str, host: str, port: int) -> list[str]:
+        """Command-line flags for vLLM's own OpenAI server with the same settings."""
+        args = [
+            "--model", model_path,
+            "--served-model-name", self.served_model_name,
+            "--host", host,
+            "--port", str(port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--dtype", self.dtype,
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--scheduling-policy", "priority",
+            "--seed", str(self.seed),
+            "--enable-prefix-caching" if self.enable_prefix_caching
+            else "--no-enable-prefix-caching",
+        ]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.device == "cuda":
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return args

@@ -1,0 +1,183 @@
+"""Streams chunks from a worker back to the gateway that owns each request.
+
+Every chunk goes two ways in one pipelined round trip: ``PUBLISH`` to the job's
+``reply_to`` inbox (the live path, at-most-once) and ``XADD`` to the request's capped log
+stream (for gap repair, resume and non-streaming replies), which expires after a TTL.
+
+Latency policy: a request's first chunk and its final chunk are sent at once. Later
+tokens are coalesced: with ``publish_interval_ms == 0`` whatever accumulated while the
+previous round trip was in flight goes in the next one (no added delay, natural
+batching under load); with an interval, a request publishes at most once per interval.
+All requests that are due are written in one pipeline, so one engine step costs one
+Redis round trip, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Chunk, Job
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """Per-request publishing state: what was sent, and what waits to be sent."""
+
+    job: Job
+    worker_id: str
+    queue_ms: float
+    seq: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_ms: float = 0.0
+    pending_text: list[str] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    last_sent_s: float = 0.0
+    # Set when the final chunk has been written to Redis.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        """True once the final chunk has been queued for sending."""
+        return self.finish_reason is not None
+
+    def take(self) -> Chunk:
+        """Turn everything pending into the next chunk."""
+        self.seq += 1
+        chunk = Chunk(
+            request_id=self.job.id,
+            seq=self.seq + self.job.resume_seq,
+            text="".join(self.pending_text),
+            completion_tokens=self.completion_tokens,
+            prompt_tokens=self.prompt_tokens,
+            finish_reason=self.finish_reason,
+            error_code=self.error_code,
+            error_message=self.error_message,
+            cached_tokens=self.cached_tokens,
+            worker_id=self.worker_id,
+            queue_ms=self.queue_ms,
+            prefill_ms=self.prefill_ms,
+            token_ids=list(self.pending_ids),
+        )
+        self.pending_text.clear()
+        self.pending_ids.clear()
+        return chunk
+
+
+class Publisher:
+    """Owns the flush task that writes due chunks to Redis."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        interval_ms: float = 0.0,
+        log_ttl_s: int = 3600,
+        log_maxlen: int = 10_000,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._interval_s = interval_ms / 1000.0
+        self._log_ttl_ms = log_ttl_s * 1000
+        self._log_maxlen = log_maxlen
+        self._dirty: dict[str, RequestStream] = {}
+        self._unsent: list[tuple[RequestStream, Chunk]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start the flush task."""
+        self._task = asyncio.create_task(self._run(), name="publisher")
+
+    async def close(self) -> None:
+        """Flush what is pending, then stop."""
+        if self._task is None:
+            return
+        deadline = time.monotonic() + 5.0
+        while (self._dirty or self._unsent) and time.monotonic() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.01)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    def mark(self, stream: RequestStream) -> None:
+        """Note that ``stream`` has something to send; wake the flusher if it is due."""
+        self._dirty[stream.job.id] = stream
+        if self._is_due(stream, time.monotonic()):
+            self._wake.set()
+
+    def _is_due(self, stream: RequestStream, now_s: float) -> bool:
+        return (
+            stream.seq == 0
+            or stream.finished
+            or self._interval_s == 0.0
+            or now_s - stream.last_sent_s >= self._interval_s
+        )
+
+    async def _run(self) -> None:
+        while True:
+            timeout = self._next_due_in()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            batch = self._collect(time.monotonic())
+            if batch:
+                await self._send(batch)
+
+    def _next_due_in(self) -> float | None:
+        """Seconds until the earliest coalesced stream is due (None: nothing waits)."""
+        if self._unsent:
+            return 0.05
+        if not self._dirty or self._interval_s == 0.0:
+            return None
+        now = time.monotonic()
+        soonest = min(s.last_sent_s + self._interval_s for s in self._dirty.values())
+        return max(0.0, soonest - now)
+
+    def _collect(self, now_s: float) -> list[tuple[RequestStream, Chunk]]:
+        batch, self._unsent = self._unsent, []
+        for request_id, stream in list(self._dirty.items()):
+            if self._is_due(stream, now_s):
+                del self._dirty[request_id]
+                stream.last_sent_s = now_s
+                batch.append((stream, stream.take()))
+        return batch
+
+    async def _send(self, batch: list[tuple[RequestStream, Chunk]]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, chunk in batch:
+            data = protocol.encode(chunk)
+            log_key = self._keys.log(chunk.request_id)
+            pipe.publish(stream.job.reply_to, data)
+            pipe.xadd(log_key, {b"c": data}, maxlen=self._log_maxlen, approximate=True)
+            if chunk.seq == 1 or chunk.finish_reason is not None:
+                pipe.pexpire(log_key, self._log_ttl_ms)
+        try:
+            await pipe.execute()
+        except RedisError as exc:
+            # Keep the chunks, in order, and try again: nothing is dropped.
+            log.warning("publish failed, retrying", error=str(exc), chunks=len(batch))
+            self._unsent = batch + self._unsent
+            await asyncio.sleep(0.05)
+            return
+        for stream, chunk in batch:
+            if chunk.finish_reason is not None:
+                stream.done.set()
