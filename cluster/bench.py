@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -205,6 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``charserve bench`` and print a table."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     result = asyncio.run(bench(args))
     keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
             "e2e_p50_ms", "output_tokens_per_s", "errors"]

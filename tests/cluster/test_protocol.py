@@ -1,0 +1,54 @@
+"""The wire protocol: round trips, and clear errors for anything unexpected."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from cluster import protocol
+from cluster.protocol import Cancel, Chunk, Job, ProtocolError, WorkerStats
+
+
+def _job() -> Job:
+    return Job(
+        id="r1", reply_to="inbox", model="m", prompt_token_ids=[1, 2, 3], max_tokens=8,
+        sampling={"temperature": 0.5, "stop": ["x"]}, arrival_ms=10, deadline_ms=20,
+    )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        _job(),
+        Chunk(request_id="r1", seq=3, text="héllo", completion_tokens=4, prompt_tokens=9,
+              finish_reason="stop", token_ids=[5, 6]),
+        Cancel(request_id="r1", reason="test"),
+        WorkerStats(worker_id="w", max_slots=4, running=1, ts_ms=5, decode_tokens_per_s=1.5),
+    ],
+)
+def test_round_trip(message: protocol.Message) -> None:
+    assert protocol.decode(protocol.encode(message)) == message
+
+
+def test_unknown_version_is_rejected() -> None:
+    data = msgpack.packb(["cancel", 99, "r1", "x"])
+    with pytest.raises(ProtocolError, match="unsupported cancel version 99"):
+        protocol.decode(data)
+
+
+def test_unknown_kind_and_garbage_are_rejected() -> None:
+    with pytest.raises(ProtocolError, match="unknown message kind"):
+        protocol.decode(msgpack.packb(["pickle", 1]))
+    with pytest.raises(ProtocolError):
+        protocol.decode(b"\xc1\xc1not msgpack")
+    with pytest.raises(ProtocolError, match="malformed"):
+        protocol.decode(msgpack.packb(["cancel", 1, "a", "b", "c", "d"]))
+
+
+def test_decode_as_checks_the_type() -> None:
+    with pytest.raises(ProtocolError, match="expected chunk, got cancel"):
+        protocol.decode_as(protocol.encode(Cancel(request_id="r")), Chunk)
+
+
+def test_free_slots_never_negative() -> None:
+    assert WorkerStats(worker_id="w", max_slots=2, running=5, ts_ms=0).free_slots == 0

@@ -1,0 +1,114 @@
+"""The Redis queue against a real redis-server: order, leases, cancellation, wake-up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Cancel, Job
+from cluster.queue import JobQueue
+from cluster.redis import connect
+
+
+def job(job_id: str, arrival_ms: int, deadline_ms: int) -> Job:
+    return Job(
+        id=job_id, reply_to="inbox", model="m", prompt_token_ids=[1], max_tokens=1,
+        sampling={}, arrival_ms=arrival_ms, deadline_ms=deadline_ms,
+    )
+
+
+async def test_edf_claims_earliest_deadline_first(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys, "edf")
+    await queue.enqueue(job("late", arrival_ms=1, deadline_ms=900))
+    await queue.enqueue(job("urgent", arrival_ms=2, deadline_ms=100))
+    await queue.enqueue(job("middle", arrival_ms=3, deadline_ms=500))
+    claimed = await queue.claim("w1", 10, lease_ms=1000)
+    assert [j.id for j in claimed] == ["urgent", "middle", "late"]
+
+
+async def test_fifo_claims_in_arrival_order(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys, "fifo")
+    await queue.enqueue(job("first", arrival_ms=1, deadline_ms=900))
+    await queue.enqueue(job("second", arrival_ms=2, deadline_ms=100))
+    assert [j.id for j in await queue.claim("w1", 10, lease_ms=1000)] == ["first", "second"]
+
+
+async def test_claim_takes_at_most_what_was_asked(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    for i in range(5):
+        await queue.enqueue(job(f"j{i}", i, 100 + i))
+    assert len(await queue.claim("w1", 2, lease_ms=1000)) == 2
+    assert await queue.claim("w1", 0, lease_ms=1000) == []
+    stats = await queue.stats()
+    assert (stats.waiting, stats.claimed) == (3, 2)
+
+
+async def test_duplicate_id_is_not_queued_twice(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    assert await queue.enqueue(job("same", 1, 10))
+    assert not await queue.enqueue(job("same", 2, 5))
+    assert (await queue.stats()).waiting == 1
+
+
+async def test_ack_and_renew_belong_to_the_lease_holder(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    await queue.enqueue(job("a", 1, 10))
+    await queue.enqueue(job("b", 2, 20))
+    await queue.claim("w1", 2, lease_ms=1000)
+    assert await queue.renew("w2", ["a"], lease_ms=5000) == ["a"]
+    assert await queue.renew("w1", ["a", "b"], lease_ms=5000) == []
+    assert not await queue.ack("a", "w2")
+    assert await queue.ack("a", "w1")
+    assert not await queue.ack("a", "w1")
+    stats = await queue.stats()
+    assert (stats.waiting, stats.claimed) == (0, 1)
+    assert await redis.hexists(keys.jobs, "b")
+    assert not await redis.hexists(keys.jobs, "a")
+
+
+async def test_lease_expiry_is_recorded_in_redis_time(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    await queue.enqueue(job("a", 1, 10))
+    seconds, micros = await redis.time()
+    await queue.claim("w1", 1, lease_ms=7000)
+    expiry = await redis.zscore(keys.leases, "a")
+    now_ms = seconds * 1000 + micros // 1000
+    assert now_ms + 7000 <= expiry < now_ms + 7000 + 1000
+
+
+async def test_cancel_dequeues_or_signals_the_owner(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    await queue.enqueue(job("waiting", 1, 10))
+    await queue.enqueue(job("running", 2, 5))
+    await queue.claim("w1", 1, lease_ms=1000)  # takes "running" (earlier deadline)
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(keys.control("w1"))
+    assert await queue.cancel("waiting") == "dequeued"
+    assert await queue.cancel("running", "test") == "signalled"
+    assert await queue.cancel("nobody") == "unknown"
+    message = None
+    for _ in range(50):  # the first read may consume the subscribe confirmation
+        message = await pubsub.get_message(timeout=0.1)
+        if message is not None:
+            break
+    assert message is not None
+    assert protocol.decode(message["data"]) == Cancel(request_id="running", reason="test")
+    assert await queue.claim("w1", 5, lease_ms=1000) == []
+    await pubsub.aclose()
+
+
+async def test_idle_worker_wakes_on_enqueue(redis_url: str, redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    blocking = connect(redis_url, blocking=True)
+    try:
+        assert await queue.wait_for_work(blocking, timeout_s=0.05) is False
+        waiter = asyncio.create_task(queue.wait_for_work(blocking, timeout_s=30))
+        await asyncio.sleep(0)  # let the BLPOP start; the wake token also covers a late start
+        await queue.enqueue(job("x", 1, 10))
+        assert await waiter is True
+        assert [j.id for j in await queue.claim("w1", 1, lease_ms=1000)] == ["x"]
+    finally:
+        await blocking.aclose()

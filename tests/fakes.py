@@ -1,0 +1,66 @@
+"""A deterministic engine for unit tests of the control plane (never used in production).
+
+It yields ``job.max_tokens`` tokens named ``" t0"``, ``" t1"``, ... with an optional delay
+per token, records what it was asked to run, and can be told to fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from cluster.protocol import Job
+from workers.engine import EngineOutput
+
+
+class FakeEngine:
+    """Implements :class:`workers.engine.Engine` without a model."""
+
+    def __init__(self, max_slots: int = 4, delay_s: float = 0.0, fail_with: str | None = None) -> None:
+        self._max_slots = max_slots
+        self.delay_s = delay_s
+        self.fail_with = fail_with
+        self.running = 0
+        self.max_running_seen = 0
+        self.started: list[str] = []
+        self.jobs: dict[str, Job] = {}
+        self.aborted: list[str] = []
+        self.priorities: dict[str, int] = {}
+        self.release = asyncio.Event()
+        self.release.set()
+
+    @property
+    def max_slots(self) -> int:
+        return self._max_slots
+
+    async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
+        self.started.append(job.id)
+        self.jobs[job.id] = job
+        self.priorities[job.id] = priority
+        self.running += 1
+        self.max_running_seen = max(self.max_running_seen, self.running)
+        try:
+            if self.fail_with:
+                raise RuntimeError(self.fail_with)
+            for i in range(job.max_tokens):
+                await self.release.wait()
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                last = i == job.max_tokens - 1
+                yield EngineOutput(
+                    text=f" t{i}",
+                    token_ids=[i],
+                    finish_reason="length" if last else None,
+                    prompt_tokens=len(job.prompt_token_ids),
+                )
+        finally:
+            self.running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,223 @@
+"""``/v1/chat/completions`` through real uvicorn, Redis and the consumer loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import Gateway
+
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "system", "content": "You are Bob."}, {"role": "user", "content": "Hi"}]
+
+
+def sse_events(raw: str) -> list[tuple[str | None, str]]:
+    """(id, data) of each SSE event."""
+    events = []
+    for block in raw.strip().split("\n\n"):
+        event_id, data = None, ""
+        for line in block.splitlines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                data = line[6:]
+        events.append((event_id, data))
+    return events
+
+
+async def test_non_streaming_reply(http: httpx.AsyncClient) -> None:
+    resp = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": " t0 t1 t2", "refusal": None}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
+    assert resp.headers["x-request-id"] and body["id"] == f"chatcmpl-{resp.headers['x-request-id']}"
+
+
+async def test_client_request_id_is_kept(http: httpx.AsyncClient) -> None:
+    resp = await http.post(
+        "/v1/chat/completions", headers={"X-Request-Id": "my-id-123"},
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
+    )
+    assert resp.headers["x-request-id"] == "my-id-123"
+
+
+async def test_stream_has_openai_shape_and_sequence_ids(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.text)
+    assert events[-1] == (None, "[DONE]")
+    chunks = [json.loads(d) for _, d in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:] if c["choices"])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == " t0 t1 t2 t3 t4"
+    ids = [int(i) for i, _ in events[:-1] if i is not None]
+    assert ids == sorted(ids) and ids[0] == 1 and set(ids) == set(range(1, ids[-1] + 1))
+
+
+async def test_openai_client_streams_and_collects(gateway: Gateway) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused")
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == " t0 t1 t2 t3"
+    assert usage is not None and usage.completion_tokens == 4
+    await client.close()
+
+
+async def test_concurrent_streams_arrive_whole(http: httpx.AsyncClient) -> None:
+    async def one(n: int) -> str:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 10 + n, "stream": True}
+        resp = await http.post("/v1/chat/completions", json=body)
+        chunks = [json.loads(d) for _, d in sse_events(resp.text)[:-1]]
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+    texts = await asyncio.gather(*(one(n) for n in range(16)))
+    for n, text in enumerate(texts):
+        assert text == "".join(f" t{i}" for i in range(10 + n))
+
+
+async def test_extra_fields_are_accepted_and_passed_on(http: httpx.AsyncClient, gateway: Gateway) -> None:
+    resp = await http.post(
+        "/v1/chat/completions",
+        headers={"X-Request-Id": "extras-1"},
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "top_k": 5,
+              "mirostat_mode": 2, "temperature": 0.7, "stop": "END"},
+    )
+    assert resp.status_code == 200, resp.text
+    sampling = gateway.engine.jobs["extras-1"].sampling
+    assert sampling["top_k"] == 5 and sampling["mirostat_mode"] == 2
+    assert sampling["temperature"] == 0.7 and sampling["stop"] == ["END"]
+
+
+def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
+    """(name, body, status, error code, param)."""
+    ok = {"model": MODEL, "messages": MESSAGES}
+    long_text = "word " * 2000
+    return [
+        ("missing messages", {"model": MODEL}, 400, "invalid_value", "messages"),
+        ("empty messages", {**ok, "messages": []}, 400, "invalid_value", "messages"),
+        ("unknown model", {**ok, "model": "gpt-9"}, 404, "model_not_found", "model"),
+        ("max_tokens too big", {**ok, "max_tokens": 100_000}, 400, "context_length_exceeded", "max_tokens"),
+        ("prompt too long", {**ok, "messages": [{"role": "user", "content": long_text}]}, 400,
+         "context_length_exceeded", "messages"),
+        ("wrong type temperature", {**ok, "temperature": "hot"}, 400, "invalid_value", "temperature"),
+        ("wrong type messages", {**ok, "messages": "hi"}, 400, "invalid_value", "messages"),
+        ("wrong role", {**ok, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value",
+         "messages.0.role"),
+        ("stream not bool", {**ok, "stream": "yes"}, 400, "invalid_value", "stream"),
+        ("max_tokens zero", {**ok, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+        ("n above one", {**ok, "n": 2}, 400, "invalid_request", "n"),
+        ("bad logit_bias", {**ok, "logit_bias": {"abc": 1.0}}, 400, "invalid_request", "logit_bias"),
+        ("body not an object", [1, 2], 400, "invalid_json", None),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_requests(), ids=lambda c: c[0])
+async def test_bad_input_is_refused_before_queueing(
+    http: httpx.AsyncClient, gateway: Gateway, case: tuple[str, Any, int, str | None, str | None]
+) -> None:
+    _, body, status, code, param = case
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == code and error["param"] == param
+    assert resp.headers["x-request-id"] not in gateway.engine.started
+
+
+async def test_malformed_json_is_a_400(http: httpx.AsyncClient) -> None:
+    resp = await http.post(
+        "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("headers", [{"X-Priority": "urgent"}, {"X-Latency-Budget-Ms": "soon"}])
+async def test_bad_admission_headers_are_a_400(http: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    resp = await http.post("/v1/chat/completions", headers=headers, json={"model": MODEL, "messages": MESSAGES})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == next(iter(headers))
+
+
+async def test_deadline_reaches_the_engine_as_priority(http: httpx.AsyncClient, gateway: Gateway) -> None:
+    for rid, budget in (("fast", "100"), ("slow", "100000")):
+        resp = await http.post(
+            "/v1/chat/completions", headers={"X-Request-Id": rid, "X-Latency-Budget-Ms": budget},
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
+        )
+        assert resp.status_code == 200
+    prio = gateway.engine.priorities
+    assert prio["fast"] < prio["slow"]
+    job = gateway.engine.jobs["slow"]
+    assert job.deadline_ms - job.arrival_ms == 100_000 and job.priority_class == "interactive"
+
+
+async def test_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 headers={"X-Request-Id": "walk-away"}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break
+    async with asyncio.timeout(5):
+        while "walk-away" not in gateway.engine.aborted:
+            await asyncio.sleep(0.02)
+
+
+async def test_worker_error_before_first_token_gets_a_status(
+    http: httpx.AsyncClient, gateway: Gateway
+) -> None:
+    # Hold every batch slot so the next request must wait in the queue past its deadline.
+    gateway.engine.release.clear()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    blockers = [asyncio.create_task(http.post("/v1/chat/completions", json=body)) for _ in range(8)]
+    async with asyncio.timeout(10):
+        while gateway.engine.running < 8:
+            await asyncio.sleep(0.01)
+    late = asyncio.create_task(
+        http.post("/v1/chat/completions", headers={"X-Latency-Budget-Ms": "5"}, json=body)
+    )
+    await asyncio.sleep(0.05)  # well past the 5 ms budget while it waits
+    gateway.engine.release.set()
+    resp = await late
+    assert all(r.status_code == 200 for r in await asyncio.gather(*blockers))
+    assert resp.status_code == 429, resp.text
+    assert resp.json()["error"]["code"] == "expired"
+    assert resp.headers["retry-after"] and resp.headers["x-charserve-drop-reason"] == "expired"
+    assert resp.headers["x-request-id"] not in gateway.engine.started
+
+
+async def test_models_health_ready_and_unknown_routes(http: httpx.AsyncClient) -> None:
+    models = (await http.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert (await http.get("/health")).status_code == 200
+    ready = await http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["workers"] >= 1
+    missing = await http.get("/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    assert missing.headers["x-request-id"]

@@ -1,0 +1,195 @@
+"""The consumer loop against a real redis-server with the deterministic test engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Chunk, Job, WorkerStats
+from cluster.queue import JobQueue
+from tests.fakes import FakeEngine
+from workers.consumer import Consumer, ConsumerConfig
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def make_job(job_id: str, reply_to: str, max_tokens: int = 3, budget_ms: int = 60_000) -> Job:
+    arrival = now_ms()
+    return Job(
+        id=job_id, reply_to=reply_to, model="m", prompt_token_ids=[1, 2], max_tokens=max_tokens,
+        sampling={}, arrival_ms=arrival, deadline_ms=arrival + budget_ms,
+    )
+
+
+class Inbox:
+    """Collects chunks published to one channel, per request."""
+
+    def __init__(self, redis: aioredis.Redis, channel: str) -> None:
+        self.channel = channel
+        self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        self.chunks: dict[str, list[Chunk]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    async def __aenter__(self) -> Inbox:
+        await self._pubsub.subscribe(self.channel)
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._pubsub.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            message = await self._pubsub.get_message(timeout=None)
+            if message is None:
+                continue
+            chunk = protocol.decode_as(message["data"], Chunk)
+            self.chunks.setdefault(chunk.request_id, []).append(chunk)
+            self._changed.set()
+
+    async def final(self, request_id: str, timeout_s: float = 10.0) -> list[Chunk]:
+        """Wait for the final chunk of a request; return all its chunks."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                got = self.chunks.get(request_id, [])
+                if got and got[-1].is_final:
+                    return got
+                self._changed.clear()
+                await self._changed.wait()
+
+
+@pytest.fixture
+async def engine() -> FakeEngine:
+    return FakeEngine(max_slots=2)
+
+
+@pytest.fixture
+async def consumer(redis_url: str, keys: Keys, engine: FakeEngine) -> AsyncIterator[Consumer]:
+    c = Consumer(redis_url, keys, engine, ConsumerConfig(lease_ms=5000, heartbeat_ms=100))
+    await c.start()
+    yield c
+    engine.release.set()
+    await c.close()
+
+
+async def test_reply_arrives_in_order_and_is_logged(
+    redis: aioredis.Redis, keys: Keys, consumer: Consumer
+) -> None:
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        await queue.enqueue(make_job("r1", inbox.channel, max_tokens=4))
+        chunks = await inbox.final("r1")
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    assert "".join(c.text for c in chunks) == " t0 t1 t2 t3"
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].completion_tokens == 4 and chunks[-1].prompt_tokens == 2
+    assert chunks[0].worker_id == consumer.worker_id
+    logged = [protocol.decode_as(f[b"c"], Chunk) for _, f in await redis.xrange(keys.log("r1"))]
+    assert logged == chunks
+    assert await redis.pttl(keys.log("r1")) > 0
+    for _ in range(100):  # ack follows the final publish
+        if not await redis.hexists(keys.jobs, "r1"):
+            break
+        await asyncio.sleep(0.01)
+    assert not await redis.hexists(keys.jobs, "r1")
+    assert await redis.zcard(keys.leases) == 0
+
+
+async def test_claims_only_while_slots_are_free(
+    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
+) -> None:
+    engine.release.clear()
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        for i in range(5):
+            await queue.enqueue(make_job(f"r{i}", inbox.channel))
+        async with asyncio.timeout(10):
+            while engine.running < 2:
+                await asyncio.sleep(0.01)
+        stats = await queue.stats()
+        assert (stats.waiting, stats.claimed) == (3, 2)
+        engine.release.set()
+        for i in range(5):
+            await inbox.final(f"r{i}")
+    assert engine.max_running_seen == 2
+    assert sorted(engine.started) == [f"r{i}" for i in range(5)]
+
+
+async def test_expired_job_is_dropped_with_a_clear_error(
+    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
+) -> None:
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        await queue.enqueue(make_job("old", inbox.channel, budget_ms=-1000))
+        [chunk] = await inbox.final("old")
+    assert chunk.finish_reason == "error" and chunk.error_code == "expired"
+    assert "latency budget" in (chunk.error_message or "")
+    assert "old" not in engine.started
+
+
+async def test_cancel_aborts_a_running_job(
+    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
+) -> None:
+    engine.delay_s = 0.01  # 1000 tokens would take 10 s
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        await queue.enqueue(make_job("long", inbox.channel, max_tokens=1000))
+        async with asyncio.timeout(10):
+            while not inbox.chunks.get("long"):
+                await asyncio.sleep(0.01)
+        assert await queue.cancel("long") == "signalled"
+        chunks = await inbox.final("long")
+    assert chunks[-1].error_code == "cancelled"
+    assert engine.aborted == ["long"]
+    assert chunks[-1].completion_tokens < 1000
+
+
+async def test_engine_failure_ends_the_job_not_the_worker(
+    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
+) -> None:
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        engine.fail_with = "boom"
+        await queue.enqueue(make_job("bad", inbox.channel))
+        [chunk] = await inbox.final("bad")
+        assert chunk.error_code == "internal_error" and "boom" in (chunk.error_message or "")
+        engine.fail_with = None
+        await queue.enqueue(make_job("good", inbox.channel))
+        assert (await inbox.final("good"))[-1].finish_reason == "length"
+    assert consumer.alive
+
+
+async def test_heartbeat_announces_the_worker(
+    redis: aioredis.Redis, keys: Keys, consumer: Consumer
+) -> None:
+    assert await redis.zscore(keys.workers, consumer.worker_id) is not None
+    stats = protocol.decode_as(await redis.get(keys.worker_stats(consumer.worker_id)), WorkerStats)
+    assert stats.max_slots == 2 and stats.worker_id == consumer.worker_id
+
+
+async def test_close_drains_running_work(redis_url: str, redis: aioredis.Redis, keys: Keys) -> None:
+    engine = FakeEngine(max_slots=2, delay_s=0.01)
+    c = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=100))
+    await c.start()
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        await queue.enqueue(make_job("r", inbox.channel, max_tokens=20))
+        async with asyncio.timeout(10):
+            while not inbox.chunks.get("r"):
+                await asyncio.sleep(0.01)
+        await c.close()
+        chunks = await inbox.final("r")
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 20
+    assert await redis.zscore(keys.workers, c.worker_id) is None
