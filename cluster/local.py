@@ -13,8 +13,10 @@ so the same file also works with ``serve deploy`` on a running cluster.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -136,12 +138,17 @@ class LocalStack:
             redis_url = self._redis.url
         config = load_serve_config(self.settings.serve_config, redis_url, self.settings.model)
         address = os.environ.get("RAY_ADDRESS")
+        # ray.init installs its own C-level SIGTERM handler (which aborts the driver);
+        # put ours back afterwards so SIGTERM stops the stack in order.
+        handler = signal.getsignal(signal.SIGTERM)
         if address:
             ray.init(address=address, logging_level="WARNING")
         else:
             # Lean local Ray: no dashboard, nothing listening beyond 127.0.0.1.
             ray.init(include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
         self._ray_started = True
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
         deploy(config)
         env = {
             **os.environ,

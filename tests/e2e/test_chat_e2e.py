@@ -1,0 +1,174 @@
+"""End to end with the real engine: the official ``openai`` client against the gateway,
+Redis, Ray Serve and vLLM's CPU engine with the bundled model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Chunk
+from tests.e2e.conftest import Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+PERSONA = (
+    "You are Captain Mira Vance, captain of the starship Wayfarer. Always stay in character."
+)
+PERSONA_WORDS = ("mira", "vance", "wayfarer")
+
+
+@pytest.fixture
+async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    yield c
+    await c.close()
+
+
+async def _stream_text(client: openai.AsyncOpenAI, messages: list[dict[str, str]], **kw: object) -> tuple[str, int, str | None]:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, temperature=0, **kw  # type: ignore[arg-type]
+    )
+    parts: list[str] = []
+    finish = None
+    async for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(parts), len(parts), finish
+
+
+async def test_streamed_reply_in_character(client: openai.AsyncOpenAI) -> None:
+    question = {"role": "user", "content": "Introduce yourself."}
+    text, pieces, finish = await _stream_text(
+        client, [{"role": "system", "content": PERSONA}, question], max_tokens=40
+    )
+    assert pieces > 3 and finish in ("stop", "length")
+    assert any(w in text.lower() for w in PERSONA_WORDS), text
+    # Control: without the persona the model does not invent this character.
+    plain, _, _ = await _stream_text(client, [question], max_tokens=40)
+    assert not any(w in plain.lower() for w in PERSONA_WORDS), plain
+
+
+async def test_non_streamed_reply(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0,
+        messages=[{"role": "system", "content": PERSONA}, {"role": "user", "content": "Hello!"}],
+    )
+    assert reply.object == "chat.completion"
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
+    assert reply.usage.prompt_tokens > 20  # the persona is in the prompt
+
+
+async def test_stream_options_include_usage(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL, max_tokens=12, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to ten."}], extra_body={"ignore_eos": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+async def test_eight_concurrent_streams_arrive_whole_and_in_order(stack: Stack) -> None:
+    async def one(http: httpx.AsyncClient, n: int) -> tuple[str, list[int], str, dict[str, int], str]:
+        body = {
+            "model": MODEL, "max_tokens": 24, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"Tell me story number {n}."}],
+        }
+        ids: list[int] = []
+        parts: list[str] = []
+        usage: dict[str, int] = {}
+        last = ""
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            request_id = resp.headers["x-request-id"]
+            async for line in resp.aiter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                elif line.startswith("data: "):
+                    last = line[6:]
+                    if last == "[DONE]":
+                        continue
+                    event = json.loads(last)
+                    if event["choices"]:
+                        parts.append(event["choices"][0]["delta"].get("content", ""))
+                    if event.get("usage"):
+                        usage = event["usage"]
+        return request_id, ids, "".join(parts), usage, last
+
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as http:
+            results = await asyncio.gather(*(one(http, n) for n in range(8)))
+        for request_id, ids, text, usage, last in results:
+            assert last == "[DONE]" and usage["completion_tokens"] == 24
+            assert ids == sorted(ids)  # in order
+            # Whole: exactly what the worker generated, as recorded in the request's log.
+            logged = [
+                protocol.decode_as(fields[b"c"], Chunk)
+                for _, fields in await redis.xrange(Keys().log(request_id))
+            ]
+            assert [c.seq for c in logged] == list(range(1, len(logged) + 1))
+            assert logged[-1].is_final and logged[-1].completion_tokens == 24
+            assert text == "".join(c.text for c in logged) and text
+    finally:
+        await redis.aclose()
+
+
+async def test_bad_inputs_are_refused_before_queueing(stack: Stack) -> None:
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    keys = Keys()
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        (b'{"model": "x", ', 400),
+        (json.dumps({"model": MODEL}).encode(), 400),
+        (json.dumps({**ok, "model": "nope"}).encode(), 404),
+        (json.dumps({**ok, "max_tokens": 5000}).encode(), 400),
+        (json.dumps({**ok, "messages": [{"role": "user", "content": "story " * 3000}]}).encode(), 400),
+        (json.dumps({**ok, "temperature": [1]}).encode(), 400),
+    ]
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+            for body, status in cases:
+                resp = await http.post(
+                    "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+                )
+                assert resp.status_code == status, resp.text
+                error = resp.json()["error"]
+                assert error["message"] and error["type"] == "invalid_request_error"
+                # Nothing reached a worker: no reply log exists for this request.
+                assert not await redis.exists(keys.log(resp.headers["x-request-id"]))
+    finally:
+        await redis.aclose()
+
+
+async def test_openai_client_raises_typed_errors(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=MODEL, max_tokens=10_000, messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.code == "context_length_exceeded"
+
+
+async def test_ready_and_models(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url) as http:
+        assert (await http.get("/ready")).json()["workers"] == 1
+        models = (await http.get("/v1/models")).json()["data"]
+        assert models[0]["id"] == MODEL and models[0]["max_model_len"] == 2048
