@@ -19,7 +19,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,9 @@ class Sample:
     @property
     def tpot_s(self) -> float:
         """Mean time per output token after the first."""
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+        return (
+            (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+        )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -71,7 +73,10 @@ async def one_request(
     """Send one streaming chat completion and time it."""
     body = {
         "model": model,
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": prompt},
+        ],
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
@@ -113,14 +118,21 @@ async def one_request(
 
 
 async def run_round(
-    url: str, model: str, requests: int, concurrency: int, rate: float | None,
-    max_tokens: int, seed: int,
+    url: str,
+    model: str,
+    requests: int,
+    concurrency: int,
+    rate: float | None,
+    max_tokens: int,
+    seed: int,
 ) -> tuple[list[Sample], float]:
     """One round: ``requests`` requests closed-loop at ``concurrency``, or open-loop at
     ``rate`` per second. Returns the samples and the round's wall time."""
     rng = random.Random(seed)
     prompts = [rng.choice(USER_PROMPTS) for _ in range(requests)]
-    limits = httpx.Limits(max_connections=max(concurrency, 64), max_keepalive_connections=max(concurrency, 64))
+    limits = httpx.Limits(
+        max_connections=max(concurrency, 64), max_keepalive_connections=max(concurrency, 64)
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
         if rate is None:
@@ -135,7 +147,9 @@ async def run_round(
         else:
             tasks = []
             for prompt in prompts:
-                tasks.append(asyncio.create_task(one_request(client, url, model, max_tokens, prompt)))
+                tasks.append(
+                    asyncio.create_task(one_request(client, url, model, max_tokens, prompt))
+                )
                 await asyncio.sleep(rng.expovariate(rate))
             samples = list(await asyncio.gather(*tasks))
         return samples, time.perf_counter() - start
@@ -166,7 +180,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark; return per-target summaries and ratios."""
     targets = [args.base_url] + ([args.compare] if args.compare else [])
     for url in targets:  # warm-up, not measured
-        await run_round(url, args.model, args.warmup, min(args.concurrency, args.warmup), None, args.max_tokens, 0)
+        await run_round(
+            url,
+            args.model,
+            args.warmup,
+            min(args.concurrency, args.warmup),
+            None,
+            args.max_tokens,
+            0,
+        )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
     for r in range(args.rounds):
         for url in targets:
@@ -177,8 +199,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             collected[url] = (before + samples, total + wall)
     result: dict[str, Any] = {
         "workload": {
-            "concurrency": args.concurrency, "rate": args.rate, "requests_per_round": args.requests,
-            "rounds": args.rounds, "max_tokens": args.max_tokens, "model": args.model,
+            "concurrency": args.concurrency,
+            "rate": args.rate,
+            "requests_per_round": args.requests,
+            "rounds": args.rounds,
+            "max_tokens": args.max_tokens,
+            "model": args.model,
         },
         "targets": {u: summarize(*collected[u]) for u in targets},
     }
@@ -208,10 +234,20 @@ def run(args: argparse.Namespace) -> int:
     """Run ``charserve bench`` and print a table."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = asyncio.run(bench(args))
-    keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
-            "e2e_p50_ms", "output_tokens_per_s", "errors"]
+    keys = [
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "tpot_p50_ms",
+        "e2e_p50_ms",
+        "output_tokens_per_s",
+        "errors",
+    ]
     urls = list(result["targets"])
-    print(f"{'metric':<22}" + "".join(f"{u:>32}" for u in urls) + ("   ratio" if args.compare else ""))
+    print(
+        f"{'metric':<22}" + "".join(f"{u:>32}" for u in urls) + ("   ratio" if args.compare else "")
+    )
     for k in keys:
         row = f"{k:<22}" + "".join(f"{result['targets'][u].get(k, ''):>32}" for u in urls)
         if args.compare and k in result.get("ratios", {}):
@@ -220,4 +256,3 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
     return 0 if all(t["errors"] == 0 for t in result["targets"].values()) else 1
-

@@ -12,6 +12,7 @@ so the same file also works with ``serve deploy`` on a running cluster.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -142,10 +143,12 @@ class LocalStack:
         # put ours back afterwards so SIGTERM stops the stack in order.
         handler = signal.getsignal(signal.SIGTERM)
         if address:
-            ray.init(address=address, logging_level="WARNING")
+            ray.init(address=address, logging_level=logging.WARNING)
         else:
             # Lean local Ray: no dashboard, nothing listening beyond 127.0.0.1.
-            ray.init(include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
+            ray.init(
+                include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1"
+            )
         self._ray_started = True
         if callable(handler) and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, handler)
@@ -156,9 +159,7 @@ class LocalStack:
             "CHARSERVE_REDIS_URL": redis_url,
             "CHARSERVE_MODEL": self.settings.model or model,
         }
-        self._gateway = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "gateway"], env=env
-        )
+        self._gateway = subprocess.Popen([sys.executable, "-m", "cluster.cli", "gateway"], env=env)
         wait_ready(f"{self.base_url}/ready", self._gateway, timeout_s=300)
 
     def wait(self) -> int:

@@ -90,7 +90,7 @@ def _convert(gguf: Path, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(f"{gguf}\n")

@@ -13,7 +13,7 @@ versions listed in ``_ACCEPTED``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
@@ -111,7 +111,7 @@ class WorkerStats:
         return max(0, self.max_slots - self.running)
 
 
-Message = Union[Job, Chunk, Cancel, WorkerStats]
+Message = Job | Chunk | Cancel | WorkerStats
 M = TypeVar("M", Job, Chunk, Cancel, WorkerStats)
 
 _TYPES: dict[str, type[Any]] = {cls.KIND: cls for cls in (Job, Chunk, Cancel, WorkerStats)}

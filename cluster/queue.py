@@ -106,9 +106,7 @@ class JobQueue:
     """Enqueue, claim, ack, renew and cancel jobs. One instance per process is enough; it
     holds no state beyond its Redis client and registered scripts."""
 
-    def __init__(
-        self, redis: aioredis.Redis, keys: Keys, policy: QueuePolicy = "edf"
-    ) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, policy: QueuePolicy = "edf") -> None:
         self._redis = redis
         self._keys = keys
         self.policy: QueuePolicy = policy

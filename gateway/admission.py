@@ -24,7 +24,9 @@ class Admission:
     deadline_ms: int
 
 
-def admit(settings: Settings, arrival_ms: int, priority: str | None, budget: str | None) -> Admission:
+def admit(
+    settings: Settings, arrival_ms: int, priority: str | None, budget: str | None
+) -> Admission:
     """Decide class and deadline from the request headers; 400 on a bad header."""
     cls = (priority or "interactive").strip().lower()
     if cls not in CLASSES:

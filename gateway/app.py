@@ -75,7 +75,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return BadRequest(f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+        return BadRequest(
+            f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json"
+        )
     if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
         return BadRequest("the body must be a JSON object", code="invalid_json")
     param = ".".join(loc) or None
@@ -190,4 +192,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"status": "ready", "workers": workers})
 
     return app
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -33,7 +33,7 @@ from gateway.sse import DONE, ChunkFormatter, completion_body, error_event
 
 log = structlog.get_logger(__name__)
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 
 class ClientGone(Exception):
@@ -213,4 +213,3 @@ class ChatService:
             log.info("request cancelled", request_id=request_id, reason=reason, outcome=outcome)
         except RedisError as exc:
             log.warning("cancel failed", request_id=request_id, error=str(exc))
-

@@ -69,7 +69,9 @@ class PromptBuilder:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return Prompt(token_ids, asked if asked is not None else min(self._default_max_tokens, room))
+        return Prompt(
+            token_ids, asked if asked is not None else min(self._default_max_tokens, room)
+        )
 
 
 def _template_role(role: str) -> str:

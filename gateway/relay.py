@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 class ReplyStream:
     """The chunks of one request, in order, each exactly once."""
 
-    def __init__(self, inbox: "Inbox", request_id: str, maxsize: int) -> None:
+    def __init__(self, inbox: Inbox, request_id: str, maxsize: int) -> None:
         self.request_id = request_id
         self._inbox = inbox
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue(maxsize)
@@ -123,8 +123,8 @@ class Inbox:
 
     async def read_log(self, request_id: str, from_seq: int) -> list[Chunk]:
         """Chunks of ``request_id`` with ``seq >= from_seq`` from its log, in order."""
-        entries = await self._redis.xrange(self._keys.log(request_id))
-        chunks = [protocol.decode_as(fields[b"c"], Chunk) for _, fields in entries]
+        entries = await self._redis.xrange(self._keys.log(request_id)) or []
+        chunks = [protocol.decode_as(fields[b"c"], Chunk) for _, fields in entries if fields]  # type: ignore[index, arg-type]
         return [c for c in chunks if c.seq >= from_seq]
 
     async def _run(self) -> None:

@@ -77,9 +77,19 @@ class ChatCompletionRequest(BaseModel):
     def sampling(self) -> dict[str, Any]:
         """Sampling fields for the worker: typed ones that were set, plus unknown extras."""
         fields = (
-            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-            "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+            "temperature",
+            "top_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "ignore_eos",
+            "stop_token_ids",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
         )
         out: dict[str, Any] = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         if self.stop is not None:

@@ -75,7 +75,14 @@ class ChunkFormatter:
         if chunk.is_final:
             out += self._event(
                 chunk.seq,
-                [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(chunk)}],
+                [
+                    {
+                        "index": 0,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": finish_reason(chunk),
+                    }
+                ],
             )
             if self.include_usage:
                 out += self._event(chunk.seq, [], usage(chunk))

@@ -7,7 +7,7 @@ per token, records what it was asked to run, and can be told to fail.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from cluster.protocol import Job
 from workers.engine import EngineOutput
@@ -16,7 +16,9 @@ from workers.engine import EngineOutput
 class FakeEngine:
     """Implements :class:`workers.engine.Engine` without a model."""
 
-    def __init__(self, max_slots: int = 4, delay_s: float = 0.0, fail_with: str | None = None) -> None:
+    def __init__(
+        self, max_slots: int = 4, delay_s: float = 0.0, fail_with: str | None = None
+    ) -> None:
         self._max_slots = max_slots
         self.delay_s = delay_s
         self.fail_with = fail_with
@@ -28,6 +30,17 @@ class FakeEngine:
         self.priorities: dict[str, int] = {}
         self.release = asyncio.Event()
         self.release.set()
+        self._changed = asyncio.Event()
+
+    def _touch(self) -> None:
+        self._changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        """Wait, without polling, until ``predicate()`` holds after some engine event."""
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                self._changed.clear()
+                await self._changed.wait()
 
     @property
     def max_slots(self) -> int:
@@ -39,6 +52,7 @@ class FakeEngine:
         self.priorities[job.id] = priority
         self.running += 1
         self.max_running_seen = max(self.max_running_seen, self.running)
+        self._touch()
         try:
             if self.fail_with:
                 raise RuntimeError(self.fail_with)
@@ -55,9 +69,11 @@ class FakeEngine:
                 )
         finally:
             self.running -= 1
+            self._touch()
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        self._touch()
 
     async def check_health(self) -> None:
         return None

@@ -120,9 +120,7 @@ class Consumer:
             await asyncio.gather(claim, return_exceptions=True)
         if self._running:
             log.info("draining", running=len(self._running))
-            await asyncio.wait(
-                list(self._running.values()), timeout=self._config.drain_timeout_s
-            )
+            await asyncio.wait(list(self._running.values()), timeout=self._config.drain_timeout_s)
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
@@ -273,9 +271,7 @@ class Consumer:
                 px=self._config.heartbeat_ms * 3,
             )
             await pipe.execute()
-        lost = await self._queue.renew(
-            self.worker_id, list(self._running), self._config.lease_ms
-        )
+        lost = await self._queue.renew(self.worker_id, list(self._running), self._config.lease_ms)
         for job_id in lost:
             log.warning("lease lost, abandoning job", request_id=job_id)
             task = self._running.get(job_id)

@@ -68,7 +68,7 @@ class WorkerArgs(BaseModel):
 class WorkerReplica:
     """Hosts one engine and its consumer loop inside a Serve replica."""
 
-    async def __init__(self, args: dict[str, Any]) -> None:
+    async def __init__(self, args: dict[str, Any]) -> None:  # type: ignore[misc]
         parsed = WorkerArgs.model_validate(args)
         configure_logging(parsed.log_level, parsed.log_format)
         os.environ.update(parsed.engine.env())
@@ -106,4 +106,4 @@ class WorkerReplica:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder named by ``ray-configs/*.yaml``."""
     WorkerArgs.model_validate(args)  # fail the deploy early on bad args
-    return WorkerReplica.bind(args)
+    return WorkerReplica.bind(args)  # type: ignore[attr-defined]

@@ -62,12 +62,28 @@ class Engine(Protocol):
 
 # Sampling fields a job may set; everything else vLLM's SamplingParams knows is either
 # set here (max_tokens, output_kind) or internal.
-_SAMPLING_FIELDS = frozenset({
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "logit_bias", "allowed_token_ids", "bad_words",
-})
+_SAMPLING_FIELDS = frozenset(
+    {
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+    }
+)
 
 
 def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:

@@ -65,17 +65,28 @@ class EngineConfig(BaseModel):
     def server_args(self, model_path: str, host: str, port: int) -> list[str]:
         """Command-line flags for vLLM's own OpenAI server with the same settings."""
         args = [
-            "--model", model_path,
-            "--served-model-name", self.served_model_name,
-            "--host", host,
-            "--port", str(port),
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--dtype", self.dtype,
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
-            "--scheduling-policy", "priority",
-            "--seed", str(self.seed),
-            "--enable-prefix-caching" if self.enable_prefix_caching
+            "--model",
+            model_path,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--dtype",
+            self.dtype,
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--scheduling-policy",
+            "priority",
+            "--seed",
+            str(self.seed),
+            "--enable-prefix-caching"
+            if self.enable_prefix_caching
             else "--no-enable-prefix-caching",
         ]
         if self.enforce_eager:

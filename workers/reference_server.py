@@ -28,8 +28,12 @@ def engine_config_from(path: str | Path) -> EngineConfig:
 def command(config: EngineConfig, host: str, port: int) -> list[str]:
     """The command line that starts vLLM's OpenAI server."""
     model = resolve_model(config.model or os.environ.get("CHARSERVE_MODEL"))
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            *config.server_args(model, host, port)]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *config.server_args(model, host, port),
+    ]
 
 
 def main() -> None:

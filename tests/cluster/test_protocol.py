@@ -11,8 +11,14 @@ from cluster.protocol import Cancel, Chunk, Job, ProtocolError, WorkerStats
 
 def _job() -> Job:
     return Job(
-        id="r1", reply_to="inbox", model="m", prompt_token_ids=[1, 2, 3], max_tokens=8,
-        sampling={"temperature": 0.5, "stop": ["x"]}, arrival_ms=10, deadline_ms=20,
+        id="r1",
+        reply_to="inbox",
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=8,
+        sampling={"temperature": 0.5, "stop": ["x"]},
+        arrival_ms=10,
+        deadline_ms=20,
     )
 
 
@@ -20,8 +26,15 @@ def _job() -> Job:
     "message",
     [
         _job(),
-        Chunk(request_id="r1", seq=3, text="héllo", completion_tokens=4, prompt_tokens=9,
-              finish_reason="stop", token_ids=[5, 6]),
+        Chunk(
+            request_id="r1",
+            seq=3,
+            text="héllo",
+            completion_tokens=4,
+            prompt_tokens=9,
+            finish_reason="stop",
+            token_ids=[5, 6],
+        ),
         Cancel(request_id="r1", reason="test"),
         WorkerStats(worker_id="w", max_slots=4, running=1, ts_ms=5, decode_tokens_per_s=1.5),
     ],

@@ -15,8 +15,14 @@ from cluster.redis import connect
 
 def job(job_id: str, arrival_ms: int, deadline_ms: int) -> Job:
     return Job(
-        id=job_id, reply_to="inbox", model="m", prompt_token_ids=[1], max_tokens=1,
-        sampling={}, arrival_ms=arrival_ms, deadline_ms=deadline_ms,
+        id=job_id,
+        reply_to="inbox",
+        model="m",
+        prompt_token_ids=[1],
+        max_tokens=1,
+        sampling={},
+        arrival_ms=arrival_ms,
+        deadline_ms=deadline_ms,
     )
 
 
@@ -100,7 +106,9 @@ async def test_cancel_dequeues_or_signals_the_owner(redis: aioredis.Redis, keys:
     await pubsub.aclose()
 
 
-async def test_idle_worker_wakes_on_enqueue(redis_url: str, redis: aioredis.Redis, keys: Keys) -> None:
+async def test_idle_worker_wakes_on_enqueue(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
     queue = JobQueue(redis, keys)
     blocking = connect(redis_url, blocking=True)
     try:

@@ -105,8 +105,11 @@ def stack(redis_url: str) -> Iterator[Stack]:
     env.pop("RAY_ADDRESS", None)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "up"], cwd=ROOT, env=env,
-            stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "cluster.cli", "up"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     s = Stack(f"http://127.0.0.1:{port}", redis_url, proc, log_path)
     try:

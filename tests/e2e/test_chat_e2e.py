@@ -20,9 +20,7 @@ from tests.e2e.conftest import Stack
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m-instruct"
-PERSONA = (
-    "You are Captain Mira Vance, captain of the starship Wayfarer. Always stay in character."
-)
+PERSONA = "You are Captain Mira Vance, captain of the starship Wayfarer. Always stay in character."
 PERSONA_WORDS = ("mira", "vance", "wayfarer")
 
 
@@ -33,9 +31,15 @@ async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
     await c.close()
 
 
-async def _stream_text(client: openai.AsyncOpenAI, messages: list[dict[str, str]], **kw: object) -> tuple[str, int, str | None]:
+async def _stream_text(
+    client: openai.AsyncOpenAI, messages: list[dict[str, str]], **kw: object
+) -> tuple[str, int, str | None]:
     stream = await client.chat.completions.create(
-        model=MODEL, messages=messages, stream=True, temperature=0, **kw  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        stream=True,
+        temperature=0,
+        **kw,  # type: ignore[arg-type]
     )
     parts: list[str] = []
     finish = None
@@ -60,7 +64,9 @@ async def test_streamed_reply_in_character(client: openai.AsyncOpenAI) -> None:
 
 async def test_non_streamed_reply(client: openai.AsyncOpenAI) -> None:
     reply = await client.chat.completions.create(
-        model=MODEL, max_tokens=16, temperature=0,
+        model=MODEL,
+        max_tokens=16,
+        temperature=0,
         messages=[{"role": "system", "content": PERSONA}, {"role": "user", "content": "Hello!"}],
     )
     assert reply.object == "chat.completion"
@@ -73,8 +79,12 @@ async def test_non_streamed_reply(client: openai.AsyncOpenAI) -> None:
 
 async def test_stream_options_include_usage(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
-        model=MODEL, max_tokens=12, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "Count to ten."}], extra_body={"ignore_eos": True},
+        model=MODEL,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to ten."}],
+        extra_body={"ignore_eos": True},
     )
     chunks = [c async for c in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -84,9 +94,14 @@ async def test_stream_options_include_usage(client: openai.AsyncOpenAI) -> None:
 
 
 async def test_eight_concurrent_streams_arrive_whole_and_in_order(stack: Stack) -> None:
-    async def one(http: httpx.AsyncClient, n: int) -> tuple[str, list[int], str, dict[str, int], str]:
+    async def one(
+        http: httpx.AsyncClient, n: int
+    ) -> tuple[str, list[int], str, dict[str, int], str]:
         body = {
-            "model": MODEL, "max_tokens": 24, "stream": True, "ignore_eos": True,
+            "model": MODEL,
+            "max_tokens": 24,
+            "stream": True,
+            "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": f"Tell me story number {n}."}],
         }
@@ -139,14 +154,19 @@ async def test_bad_inputs_are_refused_before_queueing(stack: Stack) -> None:
         (json.dumps({"model": MODEL}).encode(), 400),
         (json.dumps({**ok, "model": "nope"}).encode(), 404),
         (json.dumps({**ok, "max_tokens": 5000}).encode(), 400),
-        (json.dumps({**ok, "messages": [{"role": "user", "content": "story " * 3000}]}).encode(), 400),
+        (
+            json.dumps({**ok, "messages": [{"role": "user", "content": "story " * 3000}]}).encode(),
+            400,
+        ),
         (json.dumps({**ok, "temperature": [1]}).encode(), 400),
     ]
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
             for body, status in cases:
                 resp = await http.post(
-                    "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+                    "/v1/chat/completions",
+                    content=body,
+                    headers={"content-type": "application/json"},
                 )
                 assert resp.status_code == status, resp.text
                 error = resp.json()["error"]
@@ -159,7 +179,9 @@ async def test_bad_inputs_are_refused_before_queueing(stack: Stack) -> None:
 
 async def test_openai_client_raises_typed_errors(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
-        await client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
+        await client.chat.completions.create(
+            model="gpt-nope", messages=[{"role": "user", "content": "x"}]
+        )
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(
             model=MODEL, max_tokens=10_000, messages=[{"role": "user", "content": "x"}]

@@ -35,15 +35,26 @@ async def gateway(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
     keys = Keys(f"gw{uuid.uuid4().hex[:8]}")
     port = free_port()
     settings = Settings(
-        redis_url=redis_url, namespace=keys.namespace, model=model_path, port=port,
-        max_model_len=512, heartbeat_ms=200, log_format="console",
+        redis_url=redis_url,
+        namespace=keys.namespace,
+        model=model_path,
+        port=port,
+        max_model_len=512,
+        heartbeat_ms=200,
+        log_format="console",
     )
     engine = FakeEngine(max_slots=8, delay_s=0.002)
     consumer = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=200))
     await consumer.start()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_config=None,
-                       lifespan="on", access_log=False)
+        uvicorn.Config(
+            create_app(settings),
+            host="127.0.0.1",
+            port=port,
+            log_config=None,
+            lifespan="on",
+            access_log=False,
+        )
     )
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(60):

@@ -31,11 +31,17 @@ def sse_events(raw: str) -> list[tuple[str | None, str]]:
 
 
 async def test_non_streaming_reply(http: httpx.AsyncClient) -> None:
-    resp = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+    resp = await http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3}
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": " t0 t1 t2", "refusal": None}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": " t0 t1 t2",
+        "refusal": None,
+    }
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
@@ -44,15 +50,21 @@ async def test_non_streaming_reply(http: httpx.AsyncClient) -> None:
 
 async def test_client_request_id_is_kept(http: httpx.AsyncClient) -> None:
     resp = await http.post(
-        "/v1/chat/completions", headers={"X-Request-Id": "my-id-123"},
+        "/v1/chat/completions",
+        headers={"X-Request-Id": "my-id-123"},
         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
     )
     assert resp.headers["x-request-id"] == "my-id-123"
 
 
 async def test_stream_has_openai_shape_and_sequence_ids(http: httpx.AsyncClient) -> None:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     resp = await http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
     events = sse_events(resp.text)
@@ -73,7 +85,10 @@ async def test_stream_has_openai_shape_and_sequence_ids(http: httpx.AsyncClient)
 async def test_openai_client_streams_and_collects(gateway: Gateway) -> None:
     client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused")
     stream = await client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=4,
+        stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
     )
     parts, usage = [], None
@@ -99,12 +114,21 @@ async def test_concurrent_streams_arrive_whole(http: httpx.AsyncClient) -> None:
         assert text == "".join(f" t{i}" for i in range(10 + n))
 
 
-async def test_extra_fields_are_accepted_and_passed_on(http: httpx.AsyncClient, gateway: Gateway) -> None:
+async def test_extra_fields_are_accepted_and_passed_on(
+    http: httpx.AsyncClient, gateway: Gateway
+) -> None:
     resp = await http.post(
         "/v1/chat/completions",
         headers={"X-Request-Id": "extras-1"},
-        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "top_k": 5,
-              "mirostat_mode": 2, "temperature": 0.7, "stop": "END"},
+        json={
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 1,
+            "top_k": 5,
+            "mirostat_mode": 2,
+            "temperature": 0.7,
+            "stop": "END",
+        },
     )
     assert resp.status_code == 200, resp.text
     sampling = gateway.engine.jobs["extras-1"].sampling
@@ -120,17 +144,45 @@ def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
         ("missing messages", {"model": MODEL}, 400, "invalid_value", "messages"),
         ("empty messages", {**ok, "messages": []}, 400, "invalid_value", "messages"),
         ("unknown model", {**ok, "model": "gpt-9"}, 404, "model_not_found", "model"),
-        ("max_tokens too big", {**ok, "max_tokens": 100_000}, 400, "context_length_exceeded", "max_tokens"),
-        ("prompt too long", {**ok, "messages": [{"role": "user", "content": long_text}]}, 400,
-         "context_length_exceeded", "messages"),
-        ("wrong type temperature", {**ok, "temperature": "hot"}, 400, "invalid_value", "temperature"),
+        (
+            "max_tokens too big",
+            {**ok, "max_tokens": 100_000},
+            400,
+            "context_length_exceeded",
+            "max_tokens",
+        ),
+        (
+            "prompt too long",
+            {**ok, "messages": [{"role": "user", "content": long_text}]},
+            400,
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            "wrong type temperature",
+            {**ok, "temperature": "hot"},
+            400,
+            "invalid_value",
+            "temperature",
+        ),
         ("wrong type messages", {**ok, "messages": "hi"}, 400, "invalid_value", "messages"),
-        ("wrong role", {**ok, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value",
-         "messages.0.role"),
+        (
+            "wrong role",
+            {**ok, "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "invalid_value",
+            "messages.0.role",
+        ),
         ("stream not bool", {**ok, "stream": "yes"}, 400, "invalid_value", "stream"),
         ("max_tokens zero", {**ok, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
         ("n above one", {**ok, "n": 2}, 400, "invalid_request", "n"),
-        ("bad logit_bias", {**ok, "logit_bias": {"abc": 1.0}}, 400, "invalid_request", "logit_bias"),
+        (
+            "bad logit_bias",
+            {**ok, "logit_bias": {"abc": 1.0}},
+            400,
+            "invalid_request",
+            "logit_bias",
+        ),
         ("body not an object", [1, 2], 400, "invalid_json", None),
     ]
 
@@ -157,16 +209,23 @@ async def test_malformed_json_is_a_400(http: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.parametrize("headers", [{"X-Priority": "urgent"}, {"X-Latency-Budget-Ms": "soon"}])
-async def test_bad_admission_headers_are_a_400(http: httpx.AsyncClient, headers: dict[str, str]) -> None:
-    resp = await http.post("/v1/chat/completions", headers=headers, json={"model": MODEL, "messages": MESSAGES})
+async def test_bad_admission_headers_are_a_400(
+    http: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    resp = await http.post(
+        "/v1/chat/completions", headers=headers, json={"model": MODEL, "messages": MESSAGES}
+    )
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == next(iter(headers))
 
 
-async def test_deadline_reaches_the_engine_as_priority(http: httpx.AsyncClient, gateway: Gateway) -> None:
+async def test_deadline_reaches_the_engine_as_priority(
+    http: httpx.AsyncClient, gateway: Gateway
+) -> None:
     for rid, budget in (("fast", "100"), ("slow", "100000")):
         resp = await http.post(
-            "/v1/chat/completions", headers={"X-Request-Id": rid, "X-Latency-Budget-Ms": budget},
+            "/v1/chat/completions",
+            headers={"X-Request-Id": rid, "X-Latency-Budget-Ms": budget},
             json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
         )
         assert resp.status_code == 200
@@ -179,14 +238,13 @@ async def test_deadline_reaches_the_engine_as_priority(http: httpx.AsyncClient, 
 async def test_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as client:
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers={"X-Request-Id": "walk-away"}) as resp:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": "walk-away"}
+        ) as resp:
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
                     break
-    async with asyncio.timeout(5):
-        while "walk-away" not in gateway.engine.aborted:
-            await asyncio.sleep(0.02)
+    await gateway.engine.wait_until(lambda: "walk-away" in gateway.engine.aborted, timeout_s=5)
 
 
 async def test_worker_error_before_first_token_gets_a_status(
@@ -196,9 +254,7 @@ async def test_worker_error_before_first_token_gets_a_status(
     gateway.engine.release.clear()
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
     blockers = [asyncio.create_task(http.post("/v1/chat/completions", json=body)) for _ in range(8)]
-    async with asyncio.timeout(10):
-        while gateway.engine.running < 8:
-            await asyncio.sleep(0.01)
+    await gateway.engine.wait_until(lambda: gateway.engine.running == 8)
     late = asyncio.create_task(
         http.post("/v1/chat/completions", headers={"X-Latency-Budget-Ms": "5"}, json=body)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -24,8 +24,14 @@ def now_ms() -> int:
 def make_job(job_id: str, reply_to: str, max_tokens: int = 3, budget_ms: int = 60_000) -> Job:
     arrival = now_ms()
     return Job(
-        id=job_id, reply_to=reply_to, model="m", prompt_token_ids=[1, 2], max_tokens=max_tokens,
-        sampling={}, arrival_ms=arrival, deadline_ms=arrival + budget_ms,
+        id=job_id,
+        reply_to=reply_to,
+        model="m",
+        prompt_token_ids=[1, 2],
+        max_tokens=max_tokens,
+        sampling={},
+        arrival_ms=arrival,
+        deadline_ms=arrival + budget_ms,
     )
 
 
@@ -59,15 +65,22 @@ class Inbox:
             self.chunks.setdefault(chunk.request_id, []).append(chunk)
             self._changed.set()
 
-    async def final(self, request_id: str, timeout_s: float = 10.0) -> list[Chunk]:
-        """Wait for the final chunk of a request; return all its chunks."""
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        """Wait, without polling, until ``predicate()`` holds after some delivery."""
         async with asyncio.timeout(timeout_s):
-            while True:
-                got = self.chunks.get(request_id, [])
-                if got and got[-1].is_final:
-                    return got
+            while not predicate():
                 self._changed.clear()
                 await self._changed.wait()
+
+    async def final(self, request_id: str) -> list[Chunk]:
+        """Wait for the final chunk of a request; return all its chunks."""
+
+        def done() -> bool:
+            got = self.chunks.get(request_id)
+            return bool(got) and got[-1].is_final  # type: ignore[index]
+
+        await self.wait_until(done)
+        return self.chunks[request_id]
 
 
 @pytest.fixture
@@ -115,9 +128,7 @@ async def test_claims_only_while_slots_are_free(
     async with Inbox(redis, keys.inbox("g1")) as inbox:
         for i in range(5):
             await queue.enqueue(make_job(f"r{i}", inbox.channel))
-        async with asyncio.timeout(10):
-            while engine.running < 2:
-                await asyncio.sleep(0.01)
+        await engine.wait_until(lambda: engine.running == 2)
         stats = await queue.stats()
         assert (stats.waiting, stats.claimed) == (3, 2)
         engine.release.set()
@@ -146,9 +157,7 @@ async def test_cancel_aborts_a_running_job(
     queue = JobQueue(redis, keys)
     async with Inbox(redis, keys.inbox("g1")) as inbox:
         await queue.enqueue(make_job("long", inbox.channel, max_tokens=1000))
-        async with asyncio.timeout(10):
-            while not inbox.chunks.get("long"):
-                await asyncio.sleep(0.01)
+        await inbox.wait_until(lambda: "long" in inbox.chunks)
         assert await queue.cancel("long") == "signalled"
         chunks = await inbox.final("long")
     assert chunks[-1].error_code == "cancelled"
@@ -186,9 +195,7 @@ async def test_close_drains_running_work(redis_url: str, redis: aioredis.Redis, 
     queue = JobQueue(redis, keys)
     async with Inbox(redis, keys.inbox("g1")) as inbox:
         await queue.enqueue(make_job("r", inbox.channel, max_tokens=20))
-        async with asyncio.timeout(10):
-            while not inbox.chunks.get("r"):
-                await asyncio.sleep(0.01)
+        await inbox.wait_until(lambda: "r" in inbox.chunks)
         await c.close()
         chunks = await inbox.final("r")
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 20
