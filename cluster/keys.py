@@ -41,6 +41,16 @@ class Keys:
         return f"{self.namespace}:cancelled"
 
     @property
+    def batch(self) -> str:
+        """Set of waiting or claimed job ids in the batch class (they yield headroom)."""
+        return f"{self.namespace}:batch"
+
+    @property
+    def dead(self) -> str:
+        """List of dead-lettered jobs (capped): encoded Job, newest first."""
+        return f"{self.namespace}:dead"
+
+    @property
     def wake(self) -> str:
         """List workers block on (BLPOP): one token per enqueue wakes one idle worker."""
         return f"{self.namespace}:wake"

@@ -6,8 +6,16 @@ Layout (names in :mod:`cluster.keys`):
 - ``jobs``: hash id -> encoded :class:`~cluster.protocol.Job`, for waiting and claimed jobs.
 - ``leases``: sorted set of claimed ids; score = lease expiry in Redis server time (ms).
 - ``owners``: hash id -> worker id holding the lease.
+- ``batch``: set of the batch-class ids among them. A worker caps how many batch jobs it
+  runs (headroom for interactive work); when the job at the head of the queue is a batch
+  job and the worker has no batch room left, the claim stops there.
 - ``wake``: a short list that idle workers ``BLPOP``; every enqueue pushes one token, so an
   idle worker wakes within a network round trip of an enqueue instead of polling.
+- ``dead``: capped list of dead-lettered jobs.
+
+A lease that is not renewed expires; any live worker then *reclaims* the job (taking the
+lease itself, so two workers cannot both requeue it), decides whether to requeue it with
+attempt+1 or dead-letter it, and does so atomically only while it still holds that lease.
 
 Every state change is one Lua script, so a worker that dies between two commands cannot
 leave a job half-claimed. Lease times use Redis's own clock, so workers on other machines
@@ -30,10 +38,12 @@ CancelOutcome = Literal["dequeued", "signalled", "unknown"]
 
 # Wake tokens beyond this many are pointless: there are never that many idle workers.
 _WAKE_CAP = 64
+_DEAD_CAP = 10_000
 
 _ENQUEUE = """
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3]) == 0 then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+if ARGV[5] == '1' then redis.call('SADD', KEYS[4], ARGV[1]) end
 redis.call('LPUSH', KEYS[3], '1')
 redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
 return 1
@@ -43,16 +53,26 @@ _CLAIM = """
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
 local want = tonumber(ARGV[2])
+local batch_room = tonumber(ARGV[4])
 local out = {}
-while #out < want do
+local taken = 0
+while taken < want do
   local popped = redis.call('ZPOPMIN', KEYS[1])
   if #popped == 0 then break end
   local id = popped[1]
+  local is_batch = redis.call('SISMEMBER', KEYS[5], id) == 1
+  if is_batch and batch_room <= 0 then
+    redis.call('ZADD', KEYS[1], popped[2], id)
+    break
+  end
   local body = redis.call('HGET', KEYS[2], id)
   if body then
+    if is_batch then batch_room = batch_room - 1 end
     redis.call('ZADD', KEYS[3], expiry, id)
     redis.call('HSET', KEYS[4], id, ARGV[1])
+    out[#out + 1] = id
     out[#out + 1] = body
+    taken = taken + 1
   end
 end
 return out
@@ -63,6 +83,45 @@ if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[4], ARGV[1])
+return 1
+"""
+
+_RECLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+local out = {}
+for _, id in ipairs(ids) do
+  local body = redis.call('HGET', KEYS[3], id)
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
+  redis.call('HSET', KEYS[2], id, ARGV[1])
+  out[#out + 1] = id
+  out[#out + 1] = body or ''
+
+end
+return out
+"""
+
+_REQUEUE = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+redis.call('LPUSH', KEYS[5], '1')
+redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[5]) - 1)
+return 1
+"""
+
+_DEAD_LETTER = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[5], ARGV[1])
+redis.call('LPUSH', KEYS[4], ARGV[3])
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
 return 1
 """
 
@@ -83,6 +142,7 @@ return lost
 _CANCEL = """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('SREM', KEYS[4], ARGV[1])
   return 'dequeued'
 end
 local owner = redis.call('HGET', KEYS[3], ARGV[1])
@@ -102,6 +162,28 @@ class QueueStats:
     claimed: int
 
 
+@dataclass(frozen=True, slots=True)
+class Poison:
+    """A leased job whose body does not decode: it can only be dead-lettered."""
+
+    id: str
+    body: bytes
+    error: str
+
+
+def _decode_pairs(flat: list[bytes]) -> list[Job | Poison]:
+    out: list[Job | Poison] = []
+    for raw_id, body in zip(flat[::2], flat[1::2], strict=True):
+        job_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+        try:
+            job = protocol.decode_as(body, Job)
+        except protocol.ProtocolError as exc:
+            out.append(Poison(job_id, body, str(exc)))
+            continue
+        out.append(job)
+    return out
+
+
 class JobQueue:
     """Enqueue, claim, ack, renew and cancel jobs. One instance per process is enough; it
     holds no state beyond its Redis client and registered scripts."""
@@ -115,6 +197,9 @@ class JobQueue:
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
         self._cancel = redis.register_script(_CANCEL)
+        self._reclaim = redis.register_script(_RECLAIM)
+        self._requeue = redis.register_script(_REQUEUE)
+        self._dead_letter = redis.register_script(_DEAD_LETTER)
 
     def score(self, job: Job) -> int:
         """Queue order: deadline for EDF, arrival for FIFO (lower runs first)."""
@@ -123,21 +208,63 @@ class JobQueue:
     async def enqueue(self, job: Job) -> bool:
         """Queue ``job`` and wake one idle worker. False if its id is already queued."""
         k = self._keys
+        is_batch = "1" if job.priority_class == "batch" else "0"
         added = await self._enqueue(
-            keys=[k.queue, k.jobs, k.wake],
-            args=[job.id, self.score(job), protocol.encode(job), _WAKE_CAP],
+            keys=[k.queue, k.jobs, k.wake, k.batch],
+            args=[job.id, self.score(job), protocol.encode(job), _WAKE_CAP, is_batch],
         )
         return bool(added)
 
-    async def claim(self, worker_id: str, max_jobs: int, lease_ms: int) -> list[Job]:
-        """Atomically take up to ``max_jobs`` jobs in queue order and lease them."""
+    async def claim(
+        self, worker_id: str, max_jobs: int, lease_ms: int, batch_room: int | None = None
+    ) -> list[Job | Poison]:
+        """Atomically take up to ``max_jobs`` jobs in queue order and lease them, at most
+        ``batch_room`` of them batch jobs (None: no cap).
+
+        A body that does not decode comes back as :class:`Poison` (still leased), so the
+        caller can dead-letter it instead of letting it block the queue.
+        """
         if max_jobs <= 0:
             return []
         k = self._keys
+        room = max_jobs if batch_room is None else max(0, batch_room)
         bodies = await self._claim(
-            keys=[k.queue, k.jobs, k.leases, k.owners], args=[worker_id, max_jobs, lease_ms]
+            keys=[k.queue, k.jobs, k.leases, k.owners, k.batch],
+            args=[worker_id, max_jobs, lease_ms, room],
         )
-        return [protocol.decode_as(body, Job) for body in bodies]
+        return _decode_pairs(bodies)
+
+    async def reclaim_expired(
+        self, worker_id: str, lease_ms: int, limit: int = 100
+    ) -> list[Job | Poison]:
+        """Take over jobs whose lease expired (their worker died or hung).
+
+        The caller now holds their leases and must :meth:`requeue` or :meth:`dead_letter`
+        each one (or :meth:`ack` it when it turns out to have finished).
+        """
+        k = self._keys
+        bodies = await self._reclaim(
+            keys=[k.leases, k.owners, k.jobs], args=[worker_id, lease_ms, limit]
+        )
+        return _decode_pairs(bodies)
+
+    async def requeue(self, job: Job, worker_id: str) -> bool:
+        """Put a job we hold the lease of back in the queue (with its new body)."""
+        k = self._keys
+        done = await self._requeue(
+            keys=[k.leases, k.owners, k.jobs, k.queue, k.wake],
+            args=[job.id, worker_id, protocol.encode(job), self.score(job), _WAKE_CAP],
+        )
+        return bool(done)
+
+    async def dead_letter(self, job_id: str, body: bytes, worker_id: str) -> bool:
+        """Move a job we hold the lease of to the dead-letter list."""
+        k = self._keys
+        done = await self._dead_letter(
+            keys=[k.leases, k.owners, k.jobs, k.dead, k.batch],
+            args=[job_id, worker_id, body, _DEAD_CAP],
+        )
+        return bool(done)
 
     async def wait_for_work(self, redis: aioredis.Redis, timeout_s: float) -> bool:
         """Block on the wake list until an enqueue (True) or the timeout (False).
@@ -150,7 +277,7 @@ class JobQueue:
     async def ack(self, job_id: str, worker_id: str) -> bool:
         """Finish a job: drop its body and lease. False if the lease was no longer ours."""
         k = self._keys
-        done = await self._ack(keys=[k.leases, k.jobs, k.owners], args=[job_id, worker_id])
+        done = await self._ack(keys=[k.leases, k.jobs, k.owners, k.batch], args=[job_id, worker_id])
         return bool(done)
 
     async def renew(self, worker_id: str, job_ids: list[str], lease_ms: int) -> list[str]:
@@ -166,10 +293,14 @@ class JobQueue:
         k = self._keys
         message = protocol.encode(protocol.Cancel(request_id=job_id, reason=reason))
         outcome = await self._cancel(
-            keys=[k.queue, k.jobs, k.owners], args=[job_id, k.control(""), message]
+            keys=[k.queue, k.jobs, k.owners, k.batch], args=[job_id, k.control(""), message]
         )
         text = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         return text  # type: ignore[return-value]
+
+    async def ahead_of(self, job_score: int) -> int:
+        """How many waiting jobs run before one with this score."""
+        return int(await self._redis.zcount(self._keys.queue, "-inf", job_score))
 
     async def stats(self) -> QueueStats:
         """How many jobs wait and how many are claimed."""

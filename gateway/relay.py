@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk
+from cluster.replylog import read_log
 
 log = structlog.get_logger(__name__)
 
@@ -123,9 +124,7 @@ class Inbox:
 
     async def read_log(self, request_id: str, from_seq: int) -> list[Chunk]:
         """Chunks of ``request_id`` with ``seq >= from_seq`` from its log, in order."""
-        entries = await self._redis.xrange(self._keys.log(request_id)) or []
-        chunks = [protocol.decode_as(fields[b"c"], Chunk) for _, fields in entries if fields]  # type: ignore[index, arg-type]
-        return [c for c in chunks if c.seq >= from_seq]
+        return await read_log(self._redis, self._keys, request_id, from_seq)
 
     async def _run(self) -> None:
         assert self._pubsub is not None

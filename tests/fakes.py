@@ -1,7 +1,7 @@
 """A deterministic engine for unit tests of the control plane (never used in production).
 
-It yields ``job.max_tokens`` tokens named ``" t0"``, ``" t1"``, ... with an optional delay
-per token, records what it was asked to run, and can be told to fail.
+It yields ``job.max_tokens`` tokens named ``" t0"``, ``" t1"``, ... (a retry continues
+after its resume tokens) with an optional delay per token, records what it was asked to run, and can be told to fail.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class FakeEngine:
         try:
             if self.fail_with:
                 raise RuntimeError(self.fail_with)
-            for i in range(job.max_tokens):
+            # A retry continues after the tokens already delivered.
+            for i in range(len(job.resume_token_ids), job.max_tokens):
                 await self.release.wait()
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)

@@ -24,11 +24,12 @@ from redis.exceptions import RedisError
 from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Cancel, Job, WorkerStats
-from cluster.queue import JobQueue, QueuePolicy
+from cluster.queue import JobQueue, Poison, QueuePolicy
 from cluster.redis import connect
 from workers.engine import Engine
 from workers.errors import ExpiredJobError, JobError
 from workers.publisher import Publisher, RequestStream
+from workers.recovery import Recovery
 
 log = structlog.get_logger(__name__)
 
@@ -45,13 +46,17 @@ def now_ms() -> int:
 
 @dataclass(frozen=True, slots=True)
 class ConsumerConfig:
-    """Timing knobs of a consumer."""
+    """Knobs of a consumer."""
 
-    lease_ms: int = 10_000
+    lease_ms: int = 5_000
     heartbeat_ms: int = 1_000
     publish_interval_ms: float = 0.0
     queue_policy: QueuePolicy = "edf"
     drain_timeout_s: float = 30.0
+    # Slots batch work may never take, so interactive work always finds one free.
+    batch_reserve_slots: int = 4
+    # A job is dead-lettered when this many workers in a row failed to finish it.
+    max_attempts: int = 3
 
 
 class Consumer:
@@ -75,6 +80,9 @@ class Consumer:
         self._queue: JobQueue | None = None
         self._publisher: Publisher | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._batch_running: set[str] = set()
+        self._handing_back = False
+        self._recovery: Recovery | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,6 +105,9 @@ class Consumer:
         self._redis = connect(self._url)
         self._blocking = connect(self._url, blocking=True)
         self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
+        self._recovery = Recovery(
+            self._redis, self._keys, self._queue, self.worker_id, self._config.max_attempts
+        )
         self._publisher = Publisher(
             self._redis, self._keys, interval_ms=self._config.publish_interval_ms
         )
@@ -112,7 +123,8 @@ class Consumer:
         log.info("consumer started", worker_id=self.worker_id, slots=self._engine.max_slots)
 
     async def close(self) -> None:
-        """Stop claiming, let running jobs finish (up to the drain timeout), then stop."""
+        """Stop claiming, let running jobs finish (up to the drain timeout), hand the rest
+        back to the queue, then stop."""
         self._stopping = True
         claim = self._tasks[0] if self._tasks else None
         if claim is not None:
@@ -121,9 +133,14 @@ class Consumer:
         if self._running:
             log.info("draining", running=len(self._running))
             await asyncio.wait(list(self._running.values()), timeout=self._config.drain_timeout_s)
-        for task in list(self._running.values()):
-            task.cancel()
-        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        if self._running:
+            # Out of time: hand what still runs back to the queue; another worker
+            # continues each reply where it stopped.
+            log.warning("handing back unfinished jobs", running=len(self._running))
+            self._handing_back = True
+            for task in list(self._running.values()):
+                task.cancel()
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
         for task in self._tasks[1:]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -149,8 +166,13 @@ class Consumer:
             if free <= 0:
                 await self._slot_freed.wait()
                 continue
+            batch_room = (
+                self._engine.max_slots - self._config.batch_reserve_slots - len(self._batch_running)
+            )
             try:
-                jobs = await self._queue.claim(self.worker_id, free, self._config.lease_ms)
+                jobs = await self._queue.claim(
+                    self.worker_id, free, self._config.lease_ms, batch_room
+                )
                 if not jobs:
                     await self._queue.wait_for_work(self._blocking, timeout_s=1.0)
                     continue
@@ -160,7 +182,12 @@ class Consumer:
                 continue
             claimed_ms = now_ms()
             for job in jobs:
+                if isinstance(job, Poison):
+                    await self._recover_safely(job)
+                    continue
                 self._claimed_total += 1
+                if job.priority_class == "batch":
+                    self._batch_running.add(job.id)
                 task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
                 self._running[job.id] = task
 
@@ -168,11 +195,16 @@ class Consumer:
         assert self._publisher is not None and self._queue is not None
         structlog.contextvars.bind_contextvars(request_id=job.id, tenant=job.tenant)
         stream = RequestStream(
-            job=job, worker_id=self.worker_id, queue_ms=float(claimed_ms - job.arrival_ms)
+            job=job,
+            worker_id=self.worker_id,
+            queue_ms=float(claimed_ms - job.arrival_ms),
+            completion_tokens=len(job.resume_token_ids),
         )
         started_s = time.perf_counter()
+        handed_back = False
         try:
-            if claimed_ms > job.deadline_ms:
+            # A retry already met (or missed) its budget on its first worker: finish it.
+            if job.attempt == 0 and claimed_ms > job.deadline_ms:
                 raise ExpiredJobError(
                     f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
                     "past its latency budget"
@@ -194,7 +226,10 @@ class Consumer:
                 self._publisher.mark(stream)
         except asyncio.CancelledError:
             await self._engine.abort(job.id)
-            self._fail(stream, "cancelled", "the request was cancelled")
+            if self._handing_back:
+                handed_back = True
+            else:
+                self._fail(stream, "cancelled", "the request was cancelled")
         except JobError as exc:
             self._fail(stream, exc.code, str(exc))
         except Exception as exc:  # an engine failure ends this job, not the worker
@@ -202,14 +237,39 @@ class Consumer:
             self._fail(stream, "internal_error", f"generation failed: {exc}")
         finally:
             self._running.pop(job.id, None)
+            self._batch_running.discard(job.id)
             self._slot_freed.set()
         try:
-            await asyncio.wait_for(stream.done.wait(), timeout=30.0)
-            await self._queue.ack(job.id, self.worker_id)
+            if handed_back:
+                await self._hand_back(stream)
+            else:
+                await asyncio.wait_for(stream.done.wait(), timeout=30.0)
+                await self._queue.ack(job.id, self.worker_id)
         except (TimeoutError, RedisError) as exc:
             # The lease will expire and the job is requeued: never silently lost.
             log.warning("could not finish job", error=str(exc))
         structlog.contextvars.unbind_contextvars("request_id", "tenant")
+
+    async def _hand_back(self, stream: RequestStream) -> None:
+        """Requeue a job this worker is giving up on (shutdown), after its pending text
+        is in the log, so the next worker continues exactly where it stopped."""
+        assert self._publisher is not None and self._recovery is not None
+        if stream.pending_ids or stream.pending_text:
+            self._publisher.mark(stream)
+        await self._publisher.flush()
+        outcome = await self._recovery.recover(stream.job, count_attempt=False)
+        log.info("job handed back", request_id=stream.job.id, outcome=outcome)
+
+    async def _recover_safely(self, job: Job | Poison) -> None:
+        assert self._recovery is not None
+        try:
+            if isinstance(job, Poison):
+                await self._recovery.poison(job)
+            else:
+                await self._recovery.recover(job)
+        except (RedisError, protocol.ProtocolError) as exc:
+            # Our lease on it expires in turn and another worker tries again.
+            log.warning("recovery failed", request_id=job.id, error=str(exc))
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         assert self._publisher is not None
@@ -277,3 +337,6 @@ class Consumer:
             task = self._running.get(job_id)
             if task is not None:
                 task.cancel()
+        if not self._stopping:
+            for orphan in await self._queue.reclaim_expired(self.worker_id, self._config.lease_ms):
+                await self._recover_safely(orphan)

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk, Job
+from cluster.replylog import LOG_FIELD
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +99,8 @@ class Publisher:
         self._dirty: dict[str, RequestStream] = {}
         self._unsent: list[tuple[RequestStream, Chunk]] = []
         self._wake = asyncio.Event()
+        self._flushed = asyncio.Event()
+        self._sending = False
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -108,13 +111,21 @@ class Publisher:
         """Flush what is pending, then stop."""
         if self._task is None:
             return
-        deadline = time.monotonic() + 5.0
-        while (self._dirty or self._unsent) and time.monotonic() < deadline:
-            self._wake.set()
-            await asyncio.sleep(0.01)
+        await self.flush()
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until everything marked so far has been written to Redis."""
+        deadline = time.monotonic() + timeout_s
+        while (self._dirty or self._unsent or self._sending) and time.monotonic() < deadline:
+            self._wake.set()
+            self._flushed.clear()
+            try:
+                await asyncio.wait_for(self._flushed.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
 
     def mark(self, stream: RequestStream) -> None:
         """Note that ``stream`` has something to send; wake the flusher if it is due."""
@@ -140,7 +151,12 @@ class Publisher:
             self._wake.clear()
             batch = self._collect(time.monotonic())
             if batch:
-                await self._send(batch)
+                self._sending = True
+                try:
+                    await self._send(batch)
+                finally:
+                    self._sending = False
+            self._flushed.set()
 
     def _next_due_in(self) -> float | None:
         """Seconds until the earliest coalesced stream is due (None: nothing waits)."""
@@ -166,8 +182,10 @@ class Publisher:
         for stream, chunk in batch:
             data = protocol.encode(chunk)
             log_key = self._keys.log(chunk.request_id)
+            # Log first: anything a client may have seen is then in the log, so a retry
+            # on another worker never repeats or skips text.
+            pipe.xadd(log_key, {LOG_FIELD: data}, maxlen=self._log_maxlen, approximate=True)
             pipe.publish(stream.job.reply_to, data)
-            pipe.xadd(log_key, {b"c": data}, maxlen=self._log_maxlen, approximate=True)
             if chunk.seq == 1 or chunk.finish_reason is not None:
                 pipe.pexpire(log_key, self._log_ttl_ms)
         try:

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Cancel, Job
-from cluster.queue import JobQueue
+from cluster.queue import JobQueue, Poison
 from cluster.redis import connect
 
 
@@ -120,3 +120,69 @@ async def test_idle_worker_wakes_on_enqueue(
         assert [j.id for j in await queue.claim("w1", 1, lease_ms=1000)] == ["x"]
     finally:
         await blocking.aclose()
+
+
+def batch_job(job_id: str, arrival_ms: int) -> Job:
+    return Job(
+        id=job_id,
+        reply_to="inbox",
+        model="m",
+        prompt_token_ids=[1],
+        max_tokens=1,
+        sampling={},
+        arrival_ms=arrival_ms,
+        deadline_ms=arrival_ms + 86_400_000,
+        priority_class="batch",
+    )
+
+
+async def test_batch_room_caps_batch_claims(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys, "edf")
+    for i in range(3):
+        await queue.enqueue(batch_job(f"b{i}", i))
+    await queue.enqueue(job("live", arrival_ms=10, deadline_ms=2000))
+    claimed = await queue.claim("w1", 10, lease_ms=1000, batch_room=1)
+    assert [j.id for j in claimed] == ["live", "b0"]
+    assert (await queue.stats()).waiting == 2
+    assert await queue.claim("w1", 10, lease_ms=1000, batch_room=0) == []
+    await queue.ack("b0", "w1")
+    assert not await redis.sismember(keys.batch, "b0")
+
+
+async def test_fifo_batch_at_the_head_blocks_the_line(redis: aioredis.Redis, keys: Keys) -> None:
+    # Plain arrival order has head-of-line blocking: that is what EDF is compared against.
+    queue = JobQueue(redis, keys, "fifo")
+    await queue.enqueue(batch_job("b0", 1))
+    await queue.enqueue(job("live", arrival_ms=2, deadline_ms=100))
+    assert await queue.claim("w1", 10, lease_ms=1000, batch_room=0) == []
+    assert [j.id for j in await queue.claim("w1", 10, lease_ms=1000, batch_room=1)] == [
+        "b0",
+        "live",
+    ]
+
+
+async def test_expired_leases_are_reclaimed_once(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    await queue.enqueue(job("a", 1, 10))
+    await queue.claim("dead-worker", 1, lease_ms=1)
+    await asyncio.sleep(0.01)  # let the 1 ms lease run out
+    [orphan] = await queue.reclaim_expired("w2", lease_ms=5000)
+    assert isinstance(orphan, Job) and orphan.id == "a"
+    assert await queue.reclaim_expired("w3", lease_ms=5000) == []  # w2 holds it now
+    assert not await queue.requeue(orphan, "w3")
+    assert await queue.requeue(orphan, "w2")
+    assert [j.id for j in await queue.claim("w3", 5, lease_ms=1000)] == ["a"]
+
+
+async def test_dead_letter_and_poison(redis: aioredis.Redis, keys: Keys) -> None:
+    queue = JobQueue(redis, keys)
+    await redis.hset(keys.jobs, "bad", b"\x93not a job")
+    await redis.zadd(keys.queue, {"bad": 1})
+    await queue.enqueue(job("good", 2, 20))
+    claimed = await queue.claim("w1", 5, lease_ms=1000)
+    assert isinstance(claimed[0], Poison) and claimed[0].id == "bad"
+    assert isinstance(claimed[1], Job) and claimed[1].id == "good"
+    assert await queue.dead_letter("bad", claimed[0].body, "w1")
+    assert await redis.lrange(keys.dead, 0, -1) == [b"\x93not a job"]
+    assert not await redis.hexists(keys.jobs, "bad")
+    assert (await queue.stats()).claimed == 1

@@ -1,0 +1,125 @@
+"""A simulated engine for the control plane, in the spirit of llm-d's inference simulator.
+
+It models continuous batching without a model: one step advances every running request by
+one token, and a step takes ``step_base_ms + step_ms_per_seq * batch`` plus
+``prefill_ms_per_token`` for each prompt token of requests that join in that step. Tokens
+are a deterministic function of the request's prompt and position, so a reply continued on
+another replica after a failover is the same text an uninterrupted one would have been.
+
+It is selected only by explicit configuration (``engine.kind: simulated`` in the Serve
+config args); it exists to measure and test the queue, relay and failover paths at scales
+and speeds the CPU engine cannot reach, never to serve users.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.protocol import Job
+from workers.engine import EngineOutput
+
+_VOCAB = 997
+
+
+class SimulatedConfig(BaseModel):
+    """Timing model of the simulated engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int = Field(default=32, ge=1)
+    step_base_ms: float = Field(default=20.0, ge=0)
+    step_ms_per_seq: float = Field(default=1.0, ge=0)
+    prefill_ms_per_token: float = Field(default=0.05, ge=0)
+
+
+def simulated_token(prompt_token_ids: list[int], position: int) -> int:
+    """The token the simulator emits at ``position`` of the reply to this prompt."""
+    return (sum(prompt_token_ids) * 31 + position * 7) % _VOCAB
+
+
+def simulated_text(token_id: int) -> str:
+    """The text of a simulated token."""
+    return f" w{token_id}"
+
+
+@dataclass(slots=True)
+class _Running:
+    job: Job
+    position: int
+    remaining: int
+    prefilled: bool = False
+    out: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
+
+
+class SimulatedEngine:
+    """Implements :class:`workers.engine.Engine` with a timing model."""
+
+    def __init__(self, config: SimulatedConfig) -> None:
+        self._config = config
+        self._running: dict[str, _Running] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def max_slots(self) -> int:
+        return self._config.max_num_seqs
+
+    async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._step_loop(), name="simulated-engine")
+        state = _Running(
+            job=job,
+            position=len(job.resume_token_ids),
+            remaining=job.max_tokens - len(job.resume_token_ids),
+        )
+        self._running[job.id] = state
+        self._wake.set()
+        try:
+            while True:
+                out = await state.out.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            self._running.pop(job.id, None)
+
+    async def _step_loop(self) -> None:
+        cfg = self._config
+        while True:
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            batch = list(self._running.values())
+            prefill = sum(len(r.job.prompt_token_ids) for r in batch if not r.prefilled)
+            step_ms = cfg.step_base_ms + cfg.step_ms_per_seq * len(batch)
+            await asyncio.sleep((step_ms + cfg.prefill_ms_per_token * prefill) / 1000.0)
+            for r in batch:
+                if r.job.id not in self._running or r.remaining <= 0:
+                    continue
+                r.prefilled = True
+                token = simulated_token(r.job.prompt_token_ids, r.position)
+                r.position += 1
+                r.remaining -= 1
+                r.out.put_nowait(
+                    EngineOutput(
+                        text=simulated_text(token),
+                        token_ids=[token],
+                        finish_reason="length" if r.remaining <= 0 else None,
+                        prompt_tokens=len(r.job.prompt_token_ids),
+                    )
+                )
+
+    async def abort(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+
+    async def check_health(self) -> None:
+        if self._loop_task is not None and self._loop_task.done():
+            raise RuntimeError("the simulated engine's step loop stopped")
+
+    def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
