@@ -1,7 +1,8 @@
 """A deterministic engine for unit tests of the control plane (never used in production).
 
 It yields ``job.max_tokens`` tokens named ``" t0"``, ``" t1"``, ... (a retry continues
-after its resume tokens) with an optional delay per token, records what it was asked to run, and can be told to fail.
+after its resume tokens) with an optional delay per token, records what it was asked to
+run, and can be told to fail.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ failures end in the dead-letter list, and batch work leaves headroom."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
