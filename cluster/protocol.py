@@ -104,6 +104,10 @@ class WorkerStats:
     decode_tokens_per_s: float = 0.0
     claimed_total: int = 0
     draining: bool = False
+    # Jobs finished per second over the last heartbeat, and a moving average of the time
+    # from claim to first token (ms): what admission estimates queueing delay from.
+    completed_per_s: float = 0.0
+    prefill_ms: float = 0.0
 
     @property
     def free_slots(self) -> int:

@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     )
     budget_standard_ms: int = Field(default=30_000, ge=1)
     budget_batch_ms: int = Field(default=86_400_000, ge=1)
+    max_queued: int = Field(
+        default=10_000, ge=1, description="Hard bound on waiting jobs (protects Redis memory)."
+    )
     queue_policy: Literal["edf", "fifo"] = Field(
         default="edf", description="edf: earliest deadline first; fifo: arrival order."
     )

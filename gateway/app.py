@@ -27,7 +27,8 @@ from cluster.models import resolve_model
 from cluster.queue import JobQueue
 from cluster.redis import connect
 from cluster.settings import Settings
-from gateway.admission import admit
+from gateway.admission import Admitter, admit
+from gateway.capacity import CapacityView
 from gateway.chat import ChatService, new_request_id, now_ms
 from gateway.errors import APIError, BadRequest, error_response
 from gateway.prompts import PromptBuilder
@@ -108,13 +109,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             PromptBuilder, model_path, settings.max_model_len, settings.default_max_tokens
         )
         queue = JobQueue(redis, keys, settings.queue_policy)
+        capacity = CapacityView(redis, keys, settings.heartbeat_ms)
+        await capacity.start()
         app.state.redis = redis
         app.state.inbox = inbox
-        app.state.chat = ChatService(settings, queue, inbox, prompts)
+        app.state.chat = ChatService(
+            settings, queue, inbox, prompts, Admitter(settings, queue, capacity)
+        )
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         try:
             yield
         finally:
+            await capacity.close()
             await inbox.close()
             await redis.aclose()
 

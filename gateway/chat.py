@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from cluster.protocol import Chunk, Job
 from cluster.queue import JobQueue
 from cluster.settings import Settings
-from gateway.admission import Admission
+from gateway.admission import Admission, Admitter
 from gateway.errors import BadRequest, GatewayTimeout, NotFound, ServiceUnavailable, from_worker
 from gateway.prompts import PromptBuilder
 from gateway.relay import Inbox
@@ -74,9 +74,15 @@ class ChatService:
     """Everything the chat route needs, built once per gateway process."""
 
     def __init__(
-        self, settings: Settings, queue: JobQueue, inbox: Inbox, prompts: PromptBuilder
+        self,
+        settings: Settings,
+        queue: JobQueue,
+        inbox: Inbox,
+        prompts: PromptBuilder,
+        admitter: Admitter,
     ) -> None:
         self._settings = settings
+        self._admitter = admitter
         self._queue = queue
         self._inbox = inbox
         self._prompts = prompts
@@ -126,6 +132,12 @@ class ChatService:
             priority_class=admission.priority_class,
             tenant=tenant,
         )
+        try:
+            await self._admitter.check(job)
+        except RedisError as exc:
+            raise ServiceUnavailable(
+                "the queue is unavailable", headers={"Retry-After": "1"}
+            ) from exc
         replies = self._inbox.open(request_id)
         chunks = replies.chunks(self._settings.request_timeout_s)
         handed_off = False

@@ -88,6 +88,8 @@ class Consumer:
         self._tasks: list[asyncio.Task[None]] = []
         self._claimed_total = 0
         self._tokens_since_beat = 0
+        self._completed_since_beat = 0
+        self._prefill_ms_avg = 0.0
         self._last_beat_s = time.monotonic()
 
     @property
@@ -212,6 +214,7 @@ class Consumer:
             async for out in self._engine.generate(job, priority=job.deadline_ms):
                 if stream.seq == 0 and not stream.pending_ids:
                     stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
+                    self._note_prefill(stream.prefill_ms)
                 stream.pending_text.append(out.text)
                 stream.pending_ids.extend(out.token_ids)
                 stream.completion_tokens += len(out.token_ids)
@@ -236,6 +239,7 @@ class Consumer:
             log.exception("job failed")
             self._fail(stream, "internal_error", f"generation failed: {exc}")
         finally:
+            self._completed_since_beat += 1
             self._running.pop(job.id, None)
             self._batch_running.discard(job.id)
             self._slot_freed.set()
@@ -270,6 +274,13 @@ class Consumer:
         except (RedisError, protocol.ProtocolError) as exc:
             # Our lease on it expires in turn and another worker tries again.
             log.warning("recovery failed", request_id=job.id, error=str(exc))
+
+    def _note_prefill(self, prefill_ms: float) -> None:
+        # Exponential moving average: recent conditions matter most for admission.
+        if self._prefill_ms_avg == 0.0:
+            self._prefill_ms_avg = prefill_ms
+        else:
+            self._prefill_ms_avg += 0.2 * (prefill_ms - self._prefill_ms_avg)
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         assert self._publisher is not None
@@ -321,8 +332,11 @@ class Consumer:
             decode_tokens_per_s=self._tokens_since_beat / elapsed,
             claimed_total=self._claimed_total,
             draining=self._stopping,
+            completed_per_s=self._completed_since_beat / elapsed,
+            prefill_ms=self._prefill_ms_avg,
         )
-        self._tokens_since_beat, self._last_beat_s = 0, now_s
+        self._tokens_since_beat, self._completed_since_beat = 0, 0
+        self._last_beat_s = now_s
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.zadd(self._keys.workers, {self.worker_id: stats.ts_ms})
             pipe.set(

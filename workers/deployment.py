@@ -14,7 +14,7 @@ any replica. ``build_app(args)`` is the builder a Serve config names::
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,8 +26,9 @@ from cluster.logging import configure_logging
 from cluster.models import resolve_model
 from cluster.queue import QueuePolicy
 from workers.consumer import Consumer, ConsumerConfig
-from workers.engine import VllmEngine
+from workers.engine import Engine, VllmEngine
 from workers.engine_config import EngineConfig
+from workers.simulated import SimulatedConfig, SimulatedEngine
 
 log = structlog.get_logger(__name__)
 
@@ -38,14 +39,23 @@ class WorkerArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine_kind: Literal["vllm", "simulated"] = Field(
+        default="vllm",
+        description="simulated: the timing-model engine, for control-plane tests and "
+        "benchmarks only; never for users.",
+    )
+    simulated: SimulatedConfig = Field(default_factory=SimulatedConfig)
     redis_url: str | None = Field(
         default=None, description="Redis the replicas claim from; None = $CHARSERVE_REDIS_URL."
     )
     namespace: str = "charserve"
-    lease_ms: int = 10_000
+    lease_ms: int = 5_000
     heartbeat_ms: int = 1_000
     publish_interval_ms: float = 0.0
     queue_policy: QueuePolicy = "edf"
+    batch_reserve_slots: int = Field(default=4, ge=0)
+    max_attempts: int = Field(default=3, ge=1)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
     log_format: str = "json"
     log_level: str = "info"
 
@@ -55,6 +65,15 @@ class WorkerArgs(BaseModel):
         if not url:
             raise ValueError("no Redis: set args.redis_url or CHARSERVE_REDIS_URL")
         return url
+
+
+def _build_engine(args: WorkerArgs) -> Engine:
+    """The engine the args ask for; vLLM unless the simulator is named explicitly."""
+    if args.engine_kind == "simulated":
+        log.warning("using the SIMULATED engine: no model runs in this replica")
+        return SimulatedEngine(args.simulated)
+    os.environ.update(args.engine.env())
+    return VllmEngine(args.engine, resolve_model(args.engine.model))
 
 
 @serve.deployment(
@@ -71,9 +90,7 @@ class WorkerReplica:
     async def __init__(self, args: dict[str, Any]) -> None:  # type: ignore[misc]
         parsed = WorkerArgs.model_validate(args)
         configure_logging(parsed.log_level, parsed.log_format)
-        os.environ.update(parsed.engine.env())
-        model_path = resolve_model(parsed.engine.model)
-        self._engine = VllmEngine(parsed.engine, model_path)
+        self._engine = _build_engine(parsed)
         self._consumer = Consumer(
             parsed.resolved_redis_url(),
             Keys(parsed.namespace),
@@ -83,6 +100,9 @@ class WorkerReplica:
                 heartbeat_ms=parsed.heartbeat_ms,
                 publish_interval_ms=parsed.publish_interval_ms,
                 queue_policy=parsed.queue_policy,
+                batch_reserve_slots=parsed.batch_reserve_slots,
+                max_attempts=parsed.max_attempts,
+                drain_timeout_s=parsed.drain_timeout_s,
             ),
         )
         await self._consumer.start()

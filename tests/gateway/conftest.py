@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -30,27 +31,14 @@ class Gateway:
     settings: Settings
 
 
-@pytest.fixture(scope="module")
-async def gateway(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
-    keys = Keys(f"gw{uuid.uuid4().hex[:8]}")
-    port = free_port()
-    settings = Settings(
-        redis_url=redis_url,
-        namespace=keys.namespace,
-        model=model_path,
-        port=port,
-        max_model_len=512,
-        heartbeat_ms=200,
-        log_format="console",
-    )
-    engine = FakeEngine(max_slots=8, delay_s=0.002)
-    consumer = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=200))
-    await consumer.start()
+@asynccontextmanager
+async def serve_gateway(settings: Settings) -> AsyncIterator[str]:
+    """Serve the gateway app with real uvicorn on ``settings.port``; yield its base URL."""
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(settings),
             host="127.0.0.1",
-            port=port,
+            port=settings.port,
             log_config=None,
             lifespan="on",
             access_log=False,
@@ -58,13 +46,43 @@ async def gateway(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
     )
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(60):
-        while not server.started:
+        while not server.started:  # uvicorn offers no event for this
             if task.done():
                 task.result()
             await asyncio.sleep(0.05)
-    yield Gateway(f"http://127.0.0.1:{port}", engine, keys, settings)
-    server.should_exit = True
-    await task
+    try:
+        yield f"http://127.0.0.1:{settings.port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def gateway_settings(redis_url: str, model_path: str, **overrides: object) -> Settings:
+    """Settings for a test gateway in a fresh namespace on a free port."""
+    values: dict[str, object] = {
+        "redis_url": redis_url,
+        "namespace": f"gw{uuid.uuid4().hex[:8]}",
+        "model": model_path,
+        "port": free_port(),
+        "max_model_len": 512,
+        "heartbeat_ms": 200,
+        "log_format": "console",
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+async def gateway(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
+    settings = gateway_settings(redis_url, model_path)
+    keys = Keys(settings.namespace)
+    engine = FakeEngine(max_slots=8, delay_s=0.002)
+    consumer = Consumer(
+        redis_url, keys, engine, ConsumerConfig(heartbeat_ms=200, batch_reserve_slots=0)
+    )
+    await consumer.start()
+    async with serve_gateway(settings) as base_url:
+        yield Gateway(base_url, engine, keys, settings)
     engine.release.set()
     await consumer.close()
 

@@ -14,6 +14,7 @@ from cluster.keys import Keys
 from cluster.protocol import Chunk, Job, WorkerStats
 from cluster.queue import JobQueue
 from tests.fakes import FakeEngine
+from tests.polling import eventually
 from workers.consumer import Consumer, ConsumerConfig
 
 
@@ -112,11 +113,11 @@ async def test_reply_arrives_in_order_and_is_logged(
     logged = [protocol.decode_as(f[b"c"], Chunk) for _, f in await redis.xrange(keys.log("r1"))]
     assert logged == chunks
     assert await redis.pttl(keys.log("r1")) > 0
-    for _ in range(100):  # ack follows the final publish
-        if not await redis.hexists(keys.jobs, "r1"):
-            break
-        await asyncio.sleep(0.01)
-    assert not await redis.hexists(keys.jobs, "r1")
+
+    async def acked() -> bool:  # the ack follows the final publish
+        return not await redis.hexists(keys.jobs, "r1")
+
+    await eventually(acked)
     assert await redis.zcard(keys.leases) == 0
 
 

@@ -1,0 +1,141 @@
+"""Admission by latency budget: the estimate, and refusals answered without a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Job, WorkerStats
+from cluster.queue import JobQueue
+from gateway.admission import estimate_ttft_ms
+from gateway.capacity import Capacity, summarize
+from tests.gateway.conftest import gateway_settings, serve_gateway
+from tests.polling import eventually
+
+MODEL = "smollm2-135m-instruct"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_estimate_uses_free_slots_then_the_drain_rate() -> None:
+    cap = Capacity(workers=1, free_slots=2, completed_per_s=4.0, prefill_ms=50.0)
+    assert estimate_ttft_ms(cap, ahead=0) == 50.0
+    assert estimate_ttft_ms(cap, ahead=1) == 50.0
+    # 5 ahead, 2 free: 4 must finish first, at 4 per second.
+    assert estimate_ttft_ms(cap, ahead=5) == pytest.approx(1050.0)
+    assert estimate_ttft_ms(Capacity(workers=1), ahead=3) is None  # no evidence yet
+
+
+def test_summary_ignores_draining_workers() -> None:
+    stats = [
+        WorkerStats(
+            worker_id="a", max_slots=8, running=2, ts_ms=0, completed_per_s=1.0, prefill_ms=80
+        ),
+        WorkerStats(
+            worker_id="b", max_slots=8, running=0, ts_ms=0, draining=True, completed_per_s=9
+        ),
+    ]
+    cap = summarize(stats, waiting=3, now_s=0.0)
+    assert (cap.workers, cap.free_slots, cap.completed_per_s, cap.prefill_ms) == (1, 6, 1.0, 80)
+
+
+async def _heartbeat(redis: aioredis.Redis, keys: Keys, stats: WorkerStats) -> None:
+    """Announce a worker that claims nothing, as a real one would announce itself."""
+    await redis.zadd(keys.workers, {stats.worker_id: stats.ts_ms})
+    await redis.set(keys.worker_stats(stats.worker_id), protocol.encode(stats), px=60_000)
+
+
+@pytest.fixture
+async def busy_cluster(
+    redis_url: str, model_path: str, redis: aioredis.Redis
+) -> AsyncIterator[tuple[str, Keys]]:
+    """A gateway in front of one saturated worker (no free slot, 2 jobs/s) and 6 waiting jobs."""
+    settings = gateway_settings(redis_url, model_path, max_queued=8)
+    keys = Keys(settings.namespace)
+    now = time.time_ns() // 1_000_000
+    await _heartbeat(
+        redis,
+        keys,
+        WorkerStats(
+            worker_id="w",
+            max_slots=4,
+            running=4,
+            ts_ms=now + 600_000,
+            completed_per_s=2.0,
+            prefill_ms=100.0,
+        ),
+    )
+    queue = JobQueue(redis, keys)
+    for i in range(6):
+        await queue.enqueue(
+            Job(
+                id=f"q{i}",
+                reply_to="x",
+                model=MODEL,
+                prompt_token_ids=[1],
+                max_tokens=1,
+                sampling={},
+                arrival_ms=now,
+                deadline_ms=now + 1000 + i,
+            )
+        )
+    async with serve_gateway(settings) as base_url:
+        yield base_url, keys
+
+
+async def test_infeasible_budget_is_refused_at_once(
+    busy_cluster: tuple[str, Keys], redis: aioredis.Redis
+) -> None:
+    base_url, keys = busy_cluster
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        resp = await http.post(
+            "/v1/chat/completions", json=BODY, headers={"X-Latency-Budget-Ms": "1500"}
+        )
+    assert resp.status_code == 429
+    assert resp.headers["x-charserve-drop-reason"] == "budget"
+    assert int(resp.headers["retry-after"]) >= 1
+    error = resp.json()["error"]
+    assert error["code"] == "budget" and "6 requests ahead" in error["message"]
+    assert await redis.zcard(keys.queue) == 6  # nothing was queued
+
+
+async def test_feasible_budget_and_batch_are_admitted(
+    busy_cluster: tuple[str, Keys], redis: aioredis.Redis
+) -> None:
+    base_url, keys = busy_cluster
+    async with httpx.AsyncClient(base_url=base_url, timeout=2) as http:
+        for headers in ({"X-Latency-Budget-Ms": "60000"}, {"X-Priority": "batch"}):
+            # Admitted, so it waits for a worker that never comes: the client gives up.
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/chat/completions", json=BODY, headers=headers)
+
+    # Both were queued, then dequeued when the client went away (asynchronously).
+    async def back_to_six() -> bool:
+        return await redis.zcard(keys.queue) == 6
+
+    await eventually(back_to_six)
+
+
+async def test_queue_bound_refuses_even_batch(
+    busy_cluster: tuple[str, Keys], redis: aioredis.Redis
+) -> None:
+    base_url, keys = busy_cluster
+    await redis.zadd(keys.queue, {"filler1": 10**13, "filler2": 10**13})
+    await asyncio.sleep(0.3)  # the gateway's capacity snapshot refreshes every 100 ms
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        resp = await http.post("/v1/chat/completions", json=BODY, headers={"X-Priority": "batch"})
+    assert resp.status_code == 429 and resp.headers["x-charserve-drop-reason"] == "queue_full"
+
+
+async def test_no_workers_is_a_503(redis_url: str, model_path: str) -> None:
+    settings = gateway_settings(redis_url, model_path)
+    async with serve_gateway(settings) as base_url, httpx.AsyncClient(base_url=base_url) as http:
+        resp = await http.post("/v1/chat/completions", json=BODY)
+    assert resp.status_code == 503
+    assert resp.headers["x-charserve-drop-reason"] == "no_workers" and resp.headers["retry-after"]
