@@ -15,7 +15,9 @@ import redis.asyncio as aioredis
 from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk
+from cluster.replylog import read_log
 from tests.e2e.conftest import Stack
+from tests.polling import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -194,3 +196,34 @@ async def test_ready_and_models(stack: Stack) -> None:
         assert (await http.get("/ready")).json()["workers"] == 1
         models = (await http.get("/v1/models")).json()["data"]
         assert models[0]["id"] == MODEL and models[0]["max_model_len"] == 2048
+
+
+async def test_disconnect_aborts_the_engine_request(stack: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Write a very long saga."}],
+    }
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            request_id = resp.headers["x-request-id"]
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break  # first token seen: walk away
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    keys = Keys()
+
+    async def ended() -> bool:
+        chunks = await read_log(redis, keys, request_id)
+        return bool(chunks) and chunks[-1].is_final
+
+    try:
+        await eventually(ended, timeout_s=30)
+        final = (await read_log(redis, keys, request_id))[-1]
+    finally:
+        await redis.aclose()
+    # The worker aborted the vLLM request: it ended as cancelled, long before 1500 tokens.
+    assert final.error_code == "cancelled"
+    assert final.completion_tokens < 200
