@@ -68,7 +68,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, max_tokens: int, prompt: str
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    max_tokens: int,
+    prompt: str,
+    headers: dict[str, str] | None = None,
 ) -> Sample:
     """Send one streaming chat completion and time it."""
     body = {
@@ -87,7 +92,9 @@ async def one_request(
     sample = Sample(ok=False)
     last = start
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        async with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=headers
+        ) as resp:
             if resp.status_code != 200:
                 sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return sample
@@ -155,8 +162,13 @@ async def run_round(
         return samples, time.perf_counter() - start
 
 
-def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
-    """Percentiles (ms), throughput and error count for a set of samples."""
+def summarize(
+    samples: list[Sample], wall_s: float, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 100.0
+) -> dict[str, Any]:
+    """Percentiles (ms), throughput, goodput and error count for a set of samples.
+
+    Goodput counts only requests that met both SLOs (TTFT and TPOT), per second.
+    """
     ok = [s for s in samples if s.ok]
     itl = [x for s in ok for x in s.itl_s]
     out: dict[str, Any] = {"requests": len(samples), "errors": len(samples) - len(ok)}
@@ -168,6 +180,9 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     ):
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = round(percentile(values, q) * 1000.0, 2)
+    good = [s for s in ok if s.ttft_s * 1e3 <= slo_ttft_ms and s.tpot_s * 1e3 <= slo_tpot_ms]
+    out["goodput_requests_per_s"] = round(len(good) / wall_s, 3) if wall_s > 0 else 0.0
+    out["slo_attained"] = round(len(good) / len(samples), 3) if samples else 0.0
     out["output_tokens"] = sum(s.output_tokens for s in ok)
     out["output_tokens_per_s"] = round(out["output_tokens"] / wall_s, 2) if wall_s > 0 else 0.0
     errors = [s.error for s in samples if not s.ok]
@@ -206,8 +221,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "model": args.model,
         },
-        "targets": {u: summarize(*collected[u]) for u in targets},
+        "targets": {
+            u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms) for u in targets
+        },
     }
+    if args.plot:
+        plot(collected, args.plot)
     if args.compare:
         a, b = result["targets"][args.base_url], result["targets"][args.compare]
         result["ratios"] = {
@@ -228,6 +247,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", default=None, help="write the JSON result here")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO")
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO")
+    parser.add_argument("--plot", default=None, help="write latency CDFs and throughput PNG")
+
+
+def plot(collected: dict[str, tuple[list[Sample], float]], path: str) -> None:
+    """Latency CDFs (TTFT, ITL) and output throughput per target, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for url, (samples, wall) in collected.items():
+        ok = [s for s in samples if s.ok]
+        for ax, values in (
+            (axes[0], sorted(s.ttft_s * 1e3 for s in ok)),
+            (axes[1], sorted(x * 1e3 for s in ok for x in s.itl_s)),
+        ):
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=url)
+        axes[2].bar(url, sum(s.output_tokens for s in ok) / wall if wall else 0.0)
+    for ax, title in zip(axes[:2], ("TTFT (ms)", "inter-token latency (ms)"), strict=True):
+        ax.set_xlabel(title)
+        ax.set_ylabel("fraction of requests" if "TTFT" in title else "fraction of tokens")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[2].set_ylabel("output tokens/s")
+    axes[2].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,12 +288,14 @@ def run(args: argparse.Namespace) -> int:
     result = asyncio.run(bench(args))
     keys = [
         "ttft_p50_ms",
+        "ttft_p90_ms",
         "ttft_p99_ms",
         "itl_p50_ms",
         "itl_p99_ms",
         "tpot_p50_ms",
         "e2e_p50_ms",
         "output_tokens_per_s",
+        "goodput_requests_per_s",
         "errors",
     ]
     urls = list(result["targets"])

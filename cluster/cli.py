@@ -4,6 +4,7 @@
 - ``charserve gateway``: gateway processes alone, against ``CHARSERVE_REDIS_URL``.
 - ``charserve prepare-model``: convert the bundled model once; print its folder.
 - ``charserve bench``: the streaming load generator (see ``cluster.bench``).
+- ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench_mixed``).
 
 This is the composition root: it names the gateway app by import string only, so the
 ``cluster`` package never imports ``gateway`` or ``workers``.
@@ -37,7 +38,12 @@ def cmd_up(settings: Settings) -> int:
     code = 0
     try:
         stack.start()
-        log.info("charserve ready", url=stack.base_url, model=settings.served_model_name)
+        log.info(
+            "charserve ready",
+            url=stack.base_url,
+            model=settings.served_model_name,
+            redis_url=stack.redis_url,
+        )
         sys.stderr.write(f"charserve ready on {stack.base_url}\n")
         sys.stderr.flush()
         code = stack.wait()
@@ -87,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("gateway", help="run gateway processes against a shared Redis")
     sub.add_parser("prepare-model", help="prepare the bundled model and print its folder")
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    from cluster import bench_mixed
     from cluster.bench import add_arguments
 
     add_arguments(bench)
+    bench_mixed.add_arguments(
+        sub.add_parser("bench-mixed", help="interactive chat beside a saturating batch load")
+    )
     args = parser.parse_args(argv)
     settings = Settings()
     configure_logging(settings.log_level, settings.log_format)
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_gateway(settings)
     if args.command == "prepare-model":
         return cmd_prepare_model(settings)
+    if args.command == "bench-mixed":
+        return bench_mixed.run(args)
     from cluster.bench import run
 
     return run(args)

@@ -72,6 +72,10 @@ class Keys:
         """Pub/sub channel carrying Cancel messages to one worker."""
         return f"{self.namespace}:control:{worker_id}"
 
+    def meta(self, request_id: str) -> str:
+        """A request's owner and reply format (JSON), kept as long as its log."""
+        return f"{self.namespace}:meta:{request_id}"
+
     def log(self, request_id: str) -> str:
         """Capped stream of a request's chunks, for gap repair, resume and replay."""
         return f"{self.namespace}:log:{request_id}"

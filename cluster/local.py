@@ -115,6 +115,7 @@ class LocalStack:
         self._redis: RedisServer | None = None
         self._ray_started = False
         self._gateway: subprocess.Popen[bytes] | None = None
+        self.redis_url = settings.redis_url or ""
 
     @property
     def base_url(self) -> str:
@@ -137,6 +138,7 @@ class LocalStack:
         if not redis_url:
             self._redis = RedisServer().start()
             redis_url = self._redis.url
+        self.redis_url = redis_url
         config = load_serve_config(self.settings.serve_config, redis_url, self.settings.model)
         address = os.environ.get("RAY_ADDRESS")
         # ray.init installs its own C-level SIGTERM handler (which aborts the driver);

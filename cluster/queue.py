@@ -46,6 +46,7 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 if ARGV[5] == '1' then redis.call('SADD', KEYS[4], ARGV[1]) end
 redis.call('LPUSH', KEYS[3], '1')
 redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
+if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[7]) end
 return 1
 """
 
@@ -205,13 +206,25 @@ class JobQueue:
         """Queue order: deadline for EDF, arrival for FIFO (lower runs first)."""
         return job.deadline_ms if self.policy == "edf" else job.arrival_ms
 
-    async def enqueue(self, job: Job) -> bool:
-        """Queue ``job`` and wake one idle worker. False if its id is already queued."""
+    async def enqueue(self, job: Job, meta: bytes = b"", meta_ttl_ms: int = 3_600_000) -> bool:
+        """Queue ``job`` and wake one idle worker. False if its id is already queued.
+
+        ``meta`` (who asked, and how to render the reply) is stored beside the job's reply
+        log in the same round trip, for resuming and for checking who may read it.
+        """
         k = self._keys
         is_batch = "1" if job.priority_class == "batch" else "0"
         added = await self._enqueue(
-            keys=[k.queue, k.jobs, k.wake, k.batch],
-            args=[job.id, self.score(job), protocol.encode(job), _WAKE_CAP, is_batch],
+            keys=[k.queue, k.jobs, k.wake, k.batch, k.meta(job.id)],
+            args=[
+                job.id,
+                self.score(job),
+                protocol.encode(job),
+                _WAKE_CAP,
+                is_batch,
+                meta,
+                meta_ttl_ms,
+            ],
         )
         return bool(added)
 

@@ -66,6 +66,15 @@ class Settings(BaseSettings):
     queue_policy: Literal["edf", "fifo"] = Field(
         default="edf", description="edf: earliest deadline first; fifo: arrival order."
     )
+    relay_queue_chunks: int = Field(
+        default=1024,
+        ge=1,
+        description="Chunks buffered for one client; a client that falls this far behind "
+        "is cut off with a slow_consumer error (it may resume from the log).",
+    )
+    log_ttl_s: int = Field(
+        default=3600, ge=1, description="How long a reply can be resumed (its log lives)."
+    )
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="auto: pretty on a TTY, JSON otherwise."
     )

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,6 +33,7 @@ from gateway.chat import ChatService, new_request_id, now_ms
 from gateway.errors import APIError, BadRequest, error_response
 from gateway.prompts import PromptBuilder
 from gateway.relay import Inbox
+from gateway.resume import load_meta, parse_last_event_id, replay
 from gateway.schemas import ChatCompletionRequest
 
 log = structlog.get_logger(__name__)
@@ -64,6 +65,11 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def _tenant(request: Request) -> str:
+    """The caller's tenant. Every caller is ``default`` until API keys name tenants."""
+    return "default"
 
 
 def _request_id(request: Request) -> str:
@@ -102,7 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not settings.redis_url:
             raise RuntimeError("the gateway needs CHARSERVE_REDIS_URL")
         redis = connect(settings.redis_url)
-        inbox = Inbox(redis, keys, gateway_id)
+        inbox = Inbox(redis, keys, gateway_id, settings.relay_queue_chunks)
         await inbox.start()
         model_path = await asyncio.to_thread(resolve_model, settings.model)
         prompts = await asyncio.to_thread(
@@ -158,7 +164,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             request.headers.get("x-latency-budget-ms"),
         )
         chat: ChatService = request.app.state.chat
-        return await chat.complete(body, request_id, admission, "default", request.receive)
+        resumable = request.headers.get("x-resumable", "").strip().lower() == "true"
+        return await chat.complete(
+            body, request_id, admission, _tenant(request), request.receive, resumable
+        )
+
+    @app.get("/v1/chat/completions/{completion_id}/events", response_model=None)
+    async def chat_completion_events(completion_id: str, request: Request) -> Response:
+        """Resume a streamed reply: the events after ``Last-Event-ID``, then live."""
+        request_id = completion_id.removeprefix("chatcmpl-")
+        after = parse_last_event_id(request.headers.get("last-event-id"))
+        redis = request.app.state.redis
+        meta = await load_meta(redis, keys, request_id, _tenant(request))
+        return StreamingResponse(
+            replay(redis, keys, request_id, meta, after, settings.request_timeout_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

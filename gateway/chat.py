@@ -25,9 +25,17 @@ from cluster.protocol import Chunk, Job
 from cluster.queue import JobQueue
 from cluster.settings import Settings
 from gateway.admission import Admission, Admitter
-from gateway.errors import BadRequest, GatewayTimeout, NotFound, ServiceUnavailable, from_worker
+from gateway.errors import (
+    BadRequest,
+    GatewayTimeout,
+    NotFound,
+    ServiceUnavailable,
+    SlowClient,
+    from_worker,
+)
 from gateway.prompts import PromptBuilder
-from gateway.relay import Inbox
+from gateway.relay import Inbox, SlowConsumer
+from gateway.resume import RequestMeta
 from gateway.schemas import ChatCompletionRequest
 from gateway.sse import DONE, ChunkFormatter, completion_body, error_event
 
@@ -116,8 +124,10 @@ class ChatService:
         admission: Admission,
         tenant: str,
         receive: Receive,
+        resumable: bool = False,
     ) -> Response:
-        """Run one chat completion end to end."""
+        """Run one chat completion end to end. A ``resumable`` request keeps generating
+        when its client goes away, so the client can come back for the rest."""
         self.check(request)
         prompt = self._prompts.build(request)
         job = Job(
@@ -142,8 +152,17 @@ class ChatService:
         chunks = replies.chunks(self._settings.request_timeout_s)
         handed_off = False
         try:
+            meta = RequestMeta(
+                tenant,
+                f"chatcmpl-{request_id}",
+                request.model,
+                int(time.time()),
+                request.include_usage,
+            )
             try:
-                await self._queue.enqueue(job)
+                await self._queue.enqueue(
+                    job, meta.encode(), meta_ttl_ms=self._settings.log_ttl_s * 1000
+                )
             except RedisError as exc:
                 raise ServiceUnavailable(
                     "the queue is unavailable", headers={"Retry-After": "1"}
@@ -151,21 +170,25 @@ class ChatService:
             first = await self._next(chunks, receive)
             if first.error_code is not None:
                 raise from_worker(first.error_code, first.error_message)
-            meta = (f"chatcmpl-{request_id}", request.model, int(time.time()))
             if request.stream:
-                fmt = ChunkFormatter(*meta, include_usage=request.include_usage)
+                fmt = ChunkFormatter(
+                    meta.completion_id, meta.model, meta.created, meta.include_usage
+                )
                 handed_off = True
                 return StreamingResponse(
-                    self._sse(request_id, fmt, first, chunks),
+                    self._sse(request_id, fmt, first, chunks, resumable),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             text, final = await _race_disconnect(self._collect(first, chunks), receive)
             if final.error_code is not None:
                 raise from_worker(final.error_code, final.error_message)
-            return JSONResponse(completion_body(*meta, text, final))
+            return JSONResponse(
+                completion_body(meta.completion_id, meta.model, meta.created, text, final)
+            )
         except ClientGone:
-            self._cancel(request_id, "client_disconnected")
+            if not resumable:
+                self._cancel(request_id, "client_disconnected")
             return Response(status_code=499)
         except BaseException:
             self._cancel(request_id, "failed")
@@ -191,7 +214,12 @@ class ChatService:
         return "".join(parts), final
 
     async def _sse(
-        self, request_id: str, fmt: ChunkFormatter, first: Chunk, chunks: AsyncIterator[Chunk]
+        self,
+        request_id: str,
+        fmt: ChunkFormatter,
+        first: Chunk,
+        chunks: AsyncIterator[Chunk],
+        resumable: bool,
     ) -> AsyncIterator[bytes]:
         finished = False
         try:
@@ -208,9 +236,17 @@ class ChatService:
             finished = True
             yield error_event(GatewayTimeout("the reply stopped arriving").body())
             yield DONE
+        except SlowConsumer as exc:
+            yield error_event(
+                SlowClient(
+                    f"{exc}; resume with GET /v1/chat/completions/{request_id}/events and "
+                    "Last-Event-ID"
+                ).body()
+            )
+            yield DONE
         finally:
             self._inbox.release(request_id)
-            if not finished:
+            if not finished and not resumable:
                 self._cancel(request_id, "client_disconnected")
 
     def _cancel(self, request_id: str, reason: str) -> None:

@@ -78,6 +78,14 @@ class ServiceUnavailable(APIError):
     code = "unavailable"
 
 
+class SlowClient(APIError):
+    """The client read its stream too slowly and was cut off (sent inside the stream)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "slow_consumer"
+
+
 class GatewayTimeout(APIError):
     """The reply did not arrive in time (504)."""
 

@@ -3,9 +3,11 @@ bounded per-request queues.
 
 Every job names this process's inbox channel as ``reply_to``, and the subscription is
 made once at start-up, so no per-request subscribe round trip sits on the TTFT path.
-Pub/sub is at-most-once: every chunk has a sequence number, and a gap (or a request whose
-queue overflowed because its client reads slowly) is repaired from the request's log
-stream, which the worker writes in the same round trip as it publishes.
+Pub/sub is at-most-once: every chunk has a sequence number, and a gap is repaired from the
+request's log stream, which the worker writes in the same round trip as it publishes.
+Dispatch never blocks: a client that reads so slowly that its bounded queue fills is cut
+off with a ``slow_consumer`` error (it can resume from the log), so one slow reader never
+stalls the subscription or any other stream.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from cluster.replylog import read_log
 log = structlog.get_logger(__name__)
 
 
+class SlowConsumer(Exception):
+    """The client fell too far behind; its stream is cut off (it may resume from the log)."""
+
+
 class ReplyStream:
     """The chunks of one request, in order, each exactly once."""
 
@@ -39,24 +45,19 @@ class ReplyStream:
         try:
             self._queue.put_nowait(chunk)
         except asyncio.QueueFull:
-            # The reader is behind; it will catch up from the log.
+            # The client reads too slowly. Never block the dispatcher (that would stall
+            # every other stream): cut this one off instead.
             self._overflowed = True
 
     async def chunks(self, idle_timeout_s: float) -> AsyncIterator[Chunk]:
         """Yield chunks in sequence order until the final one.
 
-        Raises ``TimeoutError`` when nothing arrives for ``idle_timeout_s``.
+        Raises ``TimeoutError`` when nothing arrives for ``idle_timeout_s``, and
+        :class:`SlowConsumer` once the reader has fallen a whole queue behind.
         """
         while True:
-            if self._overflowed and self._queue.empty():
-                self._overflowed = False
-                for chunk in await self._inbox.read_log(self.request_id, self._next_seq):
-                    if chunk.seq == self._next_seq:
-                        self._next_seq += 1
-                        yield chunk
-                        if chunk.is_final:
-                            return
-                continue
+            if self._overflowed:
+                raise SlowConsumer(f"the client fell more than {self._queue.maxsize} chunks behind")
             chunk = await asyncio.wait_for(self._queue.get(), idle_timeout_s)
             if chunk.seq < self._next_seq:
                 continue  # already delivered from the log
@@ -81,7 +82,7 @@ class Inbox:
     """This process's inbox channel and its dispatcher."""
 
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, gateway_id: str, queue_size: int = 4096
+        self, redis: aioredis.Redis, keys: Keys, gateway_id: str, queue_size: int = 1024
     ) -> None:
         self.channel = keys.inbox(gateway_id)
         self._redis = redis

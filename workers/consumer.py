@@ -28,6 +28,7 @@ from cluster.queue import JobQueue, Poison, QueuePolicy
 from cluster.redis import connect
 from workers.engine import Engine
 from workers.errors import ExpiredJobError, JobError
+from workers.pacing import StartPacer
 from workers.publisher import Publisher, RequestStream
 from workers.recovery import Recovery
 
@@ -57,6 +58,10 @@ class ConsumerConfig:
     batch_reserve_slots: int = 4
     # A job is dead-lettered when this many workers in a row failed to finish it.
     max_attempts: int = 3
+    # Batch jobs start at most this often (0: unpaced), so their prefills do not arrive
+    # in waves that stall interactive work (see workers.pacing).
+    batch_starts_per_s: float = 8.0
+    batch_start_burst: int = 2
 
 
 class Consumer:
@@ -81,6 +86,7 @@ class Consumer:
         self._publisher: Publisher | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
         self._batch_running: set[str] = set()
+        self._pacer = StartPacer(config.batch_starts_per_s, config.batch_start_burst)
         self._handing_back = False
         self._recovery: Recovery | None = None
         self._slot_freed = asyncio.Event()
@@ -168,15 +174,20 @@ class Consumer:
             if free <= 0:
                 await self._slot_freed.wait()
                 continue
-            batch_room = (
-                self._engine.max_slots - self._config.batch_reserve_slots - len(self._batch_running)
+            batch_room = min(
+                self._engine.max_slots
+                - self._config.batch_reserve_slots
+                - len(self._batch_running),
+                self._pacer.available(),
             )
             try:
                 jobs = await self._queue.claim(
                     self.worker_id, free, self._config.lease_ms, batch_room
                 )
                 if not jobs:
-                    await self._queue.wait_for_work(self._blocking, timeout_s=1.0)
+                    # Wake on an enqueue, or when paced batch work may start again.
+                    wait_s = self._pacer.wait_s() or 1.0
+                    await self._queue.wait_for_work(self._blocking, timeout_s=min(1.0, wait_s))
                     continue
             except RedisError as exc:
                 log.warning("claim failed", error=str(exc))
@@ -190,6 +201,7 @@ class Consumer:
                 self._claimed_total += 1
                 if job.priority_class == "batch":
                     self._batch_running.add(job.id)
+                    self._pacer.take(1)
                 task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
                 self._running[job.id] = task
 

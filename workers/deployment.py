@@ -56,6 +56,8 @@ class WorkerArgs(BaseModel):
     batch_reserve_slots: int = Field(default=4, ge=0)
     max_attempts: int = Field(default=3, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    batch_starts_per_s: float = Field(default=8.0, ge=0)
+    batch_start_burst: int = Field(default=2, ge=1)
     log_format: str = "json"
     log_level: str = "info"
 
@@ -103,6 +105,8 @@ class WorkerReplica:
                 batch_reserve_slots=parsed.batch_reserve_slots,
                 max_attempts=parsed.max_attempts,
                 drain_timeout_s=parsed.drain_timeout_s,
+                batch_starts_per_s=parsed.batch_starts_per_s,
+                batch_start_burst=parsed.batch_start_burst,
             ),
         )
         await self._consumer.start()
