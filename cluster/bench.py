@@ -132,6 +132,7 @@ async def run_round(
     rate: float | None,
     max_tokens: int,
     seed: int,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[Sample], float]:
     """One round: ``requests`` requests closed-loop at ``concurrency``, or open-loop at
     ``rate`` per second. Returns the samples and the round's wall time."""
@@ -148,14 +149,18 @@ async def run_round(
 
             async def worker() -> None:
                 while queue:
-                    samples.append(await one_request(client, url, model, max_tokens, queue.pop()))
+                    samples.append(
+                        await one_request(client, url, model, max_tokens, queue.pop(), headers)
+                    )
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
             tasks = []
             for prompt in prompts:
                 tasks.append(
-                    asyncio.create_task(one_request(client, url, model, max_tokens, prompt))
+                    asyncio.create_task(
+                        one_request(client, url, model, max_tokens, prompt, headers)
+                    )
                 )
                 await asyncio.sleep(rng.expovariate(rate))
             samples = list(await asyncio.gather(*tasks))
@@ -194,6 +199,8 @@ def summarize(
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark; return per-target summaries and ratios."""
     targets = [args.base_url] + ([args.compare] if args.compare else [])
+    headers = dict(h.split(":", 1) for h in args.header)
+    headers = {k.strip(): v.strip() for k, v in headers.items()}
     for url in targets:  # warm-up, not measured
         await run_round(
             url,
@@ -203,12 +210,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             None,
             args.max_tokens,
             0,
+            headers,
         )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
     for r in range(args.rounds):
         for url in targets:
             samples, wall = await run_round(
-                url, args.model, args.requests, args.concurrency, args.rate, args.max_tokens, r + 1
+                url,
+                args.model,
+                args.requests,
+                args.concurrency,
+                args.rate,
+                args.max_tokens,
+                r + 1,
+                headers,
             )
             before, total = collected[url]
             collected[url] = (before + samples, total + wall)
@@ -218,6 +233,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "rate": args.rate,
             "requests_per_round": args.requests,
             "rounds": args.rounds,
+            "headers": headers,
             "max_tokens": args.max_tokens,
             "model": args.model,
         },
@@ -247,6 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", default=None, help="write the JSON result here")
+    parser.add_argument(
+        "--header", action="append", default=[], help='extra request header, "Name: value"'
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO")
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO")
     parser.add_argument("--plot", default=None, help="write latency CDFs and throughput PNG")

@@ -96,6 +96,7 @@ class Consumer:
         self._tokens_since_beat = 0
         self._completed_since_beat = 0
         self._prefill_ms_avg = 0.0
+        self._prefill_at_s = 0.0
         self._last_beat_s = time.monotonic()
 
     @property
@@ -289,6 +290,7 @@ class Consumer:
 
     def _note_prefill(self, prefill_ms: float) -> None:
         # Exponential moving average: recent conditions matter most for admission.
+        self._prefill_at_s = time.monotonic()
         if self._prefill_ms_avg == 0.0:
             self._prefill_ms_avg = prefill_ms
         else:
@@ -345,7 +347,9 @@ class Consumer:
             claimed_total=self._claimed_total,
             draining=self._stopping,
             completed_per_s=self._completed_since_beat / elapsed,
-            prefill_ms=self._prefill_ms_avg,
+            # A stale figure would keep refusing work after a burst (and refused work
+            # brings no new samples): report none once the last sample is old.
+            prefill_ms=self._prefill_ms_avg if now_s - self._prefill_at_s < 5.0 else 0.0,
         )
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
