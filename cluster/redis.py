@@ -21,16 +21,24 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
-def connect(url: str, *, blocking: bool = False) -> aioredis.Redis:
-    """An asyncio client. ``blocking=True`` is for connections that ``BLPOP``: no socket
-    timeout, so a long block is not mistaken for a dead server."""
-    return aioredis.Redis.from_url(
+def connect(url: str, *, blocking: bool = False, max_connections: int = 512) -> aioredis.Redis:
+    """An asyncio client. ``blocking=True`` is for connections that ``BLPOP``: no health
+    check pings, so a long block is not mistaken for a dead server.
+
+    The pool waits (up to 5 s) for a free connection when all ``max_connections`` are busy:
+    redis-py's default pool raises "Too many connections" past 100, which under a burst of
+    requests would turn into errors instead of a short wait.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=5,
         decode_responses=False,
         health_check_interval=0 if blocking else 30,
         socket_connect_timeout=5,
         socket_keepalive=True,
     )
+    return aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
 
 
 def free_port(host: str = "127.0.0.1") -> int:
