@@ -142,3 +142,33 @@ async def _take(chunks, n: int):  # type: ignore[no-untyped-def]
         if count == n:
             return
     await asyncio.sleep(0)
+
+
+async def test_a_chunk_lost_on_pubsub_is_repaired_from_the_log(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    inbox = Inbox(redis, keys, "g2")
+    await inbox.start()
+    try:
+        stream = inbox.open("gappy")
+        chunks = [
+            Chunk(
+                request_id="gappy",
+                seq=seq,
+                text=f" {seq}",
+                completion_tokens=seq,
+                prompt_tokens=1,
+                finish_reason="stop" if seq == 5 else None,
+            )
+            for seq in range(1, 6)
+        ]
+        for chunk in chunks:
+            data = protocol.encode(chunk)
+            await redis.xadd(keys.log("gappy"), {b"c": data})  # the worker always logs
+            if chunk.seq != 3:  # ...but chunk 3 never arrives on pub/sub
+                await redis.publish(inbox.channel, data)
+        got = [c async for c in stream.chunks(5.0)]
+    finally:
+        await inbox.close()
+    assert [c.seq for c in got] == [1, 2, 3, 4, 5]
+    assert "".join(c.text for c in got) == " 1 2 3 4 5"
