@@ -99,7 +99,6 @@ for _, id in ipairs(ids) do
   redis.call('HSET', KEYS[2], id, ARGV[1])
   out[#out + 1] = id
   out[#out + 1] = body or ''
-
 end
 return out
 """

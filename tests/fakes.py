@@ -8,9 +8,10 @@ run, and can be told to fail.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from cluster.protocol import Job
+from tests.polling import Signal
 from workers.engine import EngineOutput
 
 
@@ -31,17 +32,11 @@ class FakeEngine:
         self.priorities: dict[str, int] = {}
         self.release = asyncio.Event()
         self.release.set()
-        self._changed = asyncio.Event()
+        self._signal = Signal()
+        self.wait_until = self._signal.wait_until
 
     def _touch(self) -> None:
-        self._changed.set()
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-        """Wait, without polling, until ``predicate()`` holds after some engine event."""
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                self._changed.clear()
-                await self._changed.wait()
+        self._signal.touch()
 
     @property
     def max_slots(self) -> int:

@@ -17,3 +17,23 @@ async def eventually(
             return
         await asyncio.sleep(every_s)
     raise TimeoutError(f"condition not met within {timeout_s} s")
+
+
+class Signal:
+    """Something that changes now and then, and a way to wait for a predicate on it
+    without polling: call :meth:`touch` on every change."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Event()
+
+    def touch(self) -> None:
+        """Note a change: waiters re-check their predicate."""
+        self._changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        """Wait until ``predicate()`` holds after some change (TimeoutError after
+        ``timeout_s``)."""
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                self._changed.clear()
+                await self._changed.wait()

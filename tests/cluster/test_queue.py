@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import redis.asyncio as aioredis
 
@@ -123,16 +124,8 @@ async def test_idle_worker_wakes_on_enqueue(
 
 
 def batch_job(job_id: str, arrival_ms: int) -> Job:
-    return Job(
-        id=job_id,
-        reply_to="inbox",
-        model="m",
-        prompt_token_ids=[1],
-        max_tokens=1,
-        sampling={},
-        arrival_ms=arrival_ms,
-        deadline_ms=arrival_ms + 86_400_000,
-        priority_class="batch",
+    return dataclasses.replace(
+        job(job_id, arrival_ms, arrival_ms + 86_400_000), priority_class="batch"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,7 +14,7 @@ from cluster.keys import Keys
 from cluster.protocol import Chunk, Job, WorkerStats
 from cluster.queue import JobQueue
 from tests.fakes import FakeEngine
-from tests.polling import eventually
+from tests.polling import Signal, eventually
 from workers.consumer import Consumer, ConsumerConfig
 
 
@@ -44,7 +44,8 @@ class Inbox:
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self.chunks: dict[str, list[Chunk]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
+        self._signal = Signal()
+        self.wait_until = self._signal.wait_until
 
     async def __aenter__(self) -> Inbox:
         await self._pubsub.subscribe(self.channel)
@@ -64,14 +65,7 @@ class Inbox:
                 continue
             chunk = protocol.decode_as(message["data"], Chunk)
             self.chunks.setdefault(chunk.request_id, []).append(chunk)
-            self._changed.set()
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-        """Wait, without polling, until ``predicate()`` holds after some delivery."""
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                self._changed.clear()
-                await self._changed.wait()
+            self._signal.touch()
 
     async def final(self, request_id: str) -> list[Chunk]:
         """Wait for the final chunk of a request; return all its chunks."""
