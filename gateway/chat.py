@@ -78,6 +78,11 @@ async def _race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
     raise ClientGone
 
 
+def _queue_unavailable() -> ServiceUnavailable:
+    """Redis did not answer: the client should retry shortly (nothing was queued)."""
+    return ServiceUnavailable("the queue is unavailable", headers={"Retry-After": "1"})
+
+
 class ChatService:
     """Everything the chat route needs, built once per gateway process."""
 
@@ -145,9 +150,7 @@ class ChatService:
         try:
             await self._admitter.check(job)
         except RedisError as exc:
-            raise ServiceUnavailable(
-                "the queue is unavailable", headers={"Retry-After": "1"}
-            ) from exc
+            raise _queue_unavailable() from exc
         replies = self._inbox.open(request_id)
         chunks = replies.chunks(self._settings.request_timeout_s)
         handed_off = False
@@ -164,9 +167,7 @@ class ChatService:
                     job, meta.encode(), meta_ttl_ms=self._settings.log_ttl_s * 1000
                 )
             except RedisError as exc:
-                raise ServiceUnavailable(
-                    "the queue is unavailable", headers={"Retry-After": "1"}
-                ) from exc
+                raise _queue_unavailable() from exc
             first = await self._next(chunks, receive)
             if first.error_code is not None:
                 raise from_worker(first.error_code, first.error_message)
