@@ -224,15 +224,13 @@ class ChatService:
     ) -> AsyncIterator[bytes]:
         finished = False
         try:
-            yield fmt.events(first)
-            if not first.is_final:
-                async for chunk in chunks:
-                    if chunk.error_code is not None:
-                        yield error_event(from_worker(chunk.error_code, chunk.error_message).body())
-                        break
-                    yield fmt.events(chunk)
-            finished = True
-            yield DONE
+            chunk = first
+            while True:
+                yield fmt.render(chunk)
+                if chunk.is_final:
+                    finished = True
+                    return
+                chunk = await anext(chunks)
         except TimeoutError:
             finished = True
             yield error_event(GatewayTimeout("the reply stopped arriving").body())

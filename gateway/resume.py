@@ -20,7 +20,7 @@ from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk
 from cluster.replylog import LOG_FIELD
-from gateway.errors import BadRequest, NotFound, from_worker
+from gateway.errors import BadRequest, GatewayTimeout, NotFound
 from gateway.sse import DONE, ChunkFormatter, error_event
 
 
@@ -87,16 +87,7 @@ async def replay(
         if not answer:
             idle_ms += block_ms
             if idle_ms >= idle_timeout_s * 1000:
-                yield error_event(
-                    {
-                        "error": {
-                            "message": "the reply stopped arriving",
-                            "type": "server_error",
-                            "param": None,
-                            "code": "timeout",
-                        }
-                    }
-                )
+                yield error_event(GatewayTimeout("the reply stopped arriving").body())
                 yield DONE
                 return
             continue
@@ -106,11 +97,6 @@ async def replay(
             chunk = protocol.decode_as(fields[LOG_FIELD], Chunk)
             if chunk.seq <= after_seq:
                 continue
-            if chunk.error_code is not None:
-                yield error_event(from_worker(chunk.error_code, chunk.error_message).body())
-                yield DONE
-                return
-            yield fmt.events(chunk)
+            yield fmt.render(chunk)
             if chunk.is_final:
-                yield DONE
                 return

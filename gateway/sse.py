@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.protocol import Chunk
+from gateway.errors import from_worker
 
 DONE = b"data: [DONE]\n\n"
 
@@ -87,6 +88,14 @@ class ChunkFormatter:
             if self.include_usage:
                 out += self._event(chunk.seq, [], usage(chunk))
         return out
+
+    def render(self, chunk: Chunk) -> bytes:
+        """Everything the client gets for one worker chunk: its events, and ``[DONE]``
+        after the final one; an error chunk becomes an error event and ``[DONE]``."""
+        if chunk.error_code is not None:
+            return error_event(from_worker(chunk.error_code, chunk.error_message).body()) + DONE
+        out = self.events(chunk)
+        return out + DONE if chunk.is_final else out
 
 
 def error_event(body: dict[str, Any]) -> bytes:
