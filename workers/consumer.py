@@ -114,11 +114,16 @@ class Consumer:
         self._redis = connect(self._url)
         self._blocking = connect(self._url, blocking=True)
         self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
-        self._recovery = Recovery(
-            self._redis, self._keys, self._queue, self.worker_id, self._config.max_attempts
-        )
         self._publisher = Publisher(
             self._redis, self._keys, interval_ms=self._config.publish_interval_ms
+        )
+        self._recovery = Recovery(
+            self._redis,
+            self._keys,
+            self._queue,
+            self._publisher,
+            self.worker_id,
+            self._config.max_attempts,
         )
         await self._publisher.start()
         pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
@@ -228,14 +233,8 @@ class Consumer:
                 if stream.seq == 0 and not stream.pending_ids:
                     stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
                     self._note_prefill(stream.prefill_ms)
-                stream.pending_text.append(out.text)
-                stream.pending_ids.extend(out.token_ids)
-                stream.completion_tokens += len(out.token_ids)
-                stream.prompt_tokens = out.prompt_tokens
-                stream.cached_tokens = out.cached_tokens
+                stream.add(out)
                 self._tokens_since_beat += len(out.token_ids)
-                if out.finish_reason is not None:
-                    stream.finish_reason = out.finish_reason
                 self._publisher.mark(stream)
             if not stream.finished:
                 stream.finish_reason = "stop"
@@ -271,9 +270,7 @@ class Consumer:
         """Requeue a job this worker is giving up on (shutdown), after its pending text
         is in the log, so the next worker continues exactly where it stopped."""
         assert self._publisher is not None and self._recovery is not None
-        if stream.pending_ids or stream.pending_text:
-            self._publisher.mark(stream)
-        await self._publisher.flush()
+        await self._publisher.flush()  # every output was marked as it arrived
         outcome = await self._recovery.recover(stream.job, count_attempt=False)
         log.info("job handed back", request_id=stream.job.id, outcome=outcome)
 
@@ -284,7 +281,7 @@ class Consumer:
                 await self._recovery.poison(job)
             else:
                 await self._recovery.recover(job)
-        except (RedisError, protocol.ProtocolError) as exc:
+        except (TimeoutError, RedisError, protocol.ProtocolError) as exc:
             # Our lease on it expires in turn and another worker tries again.
             log.warning("recovery failed", request_id=job.id, error=str(exc))
 
@@ -298,9 +295,7 @@ class Consumer:
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         assert self._publisher is not None
-        stream.finish_reason = "error"
-        stream.error_code = code
-        stream.error_message = message
+        stream.fail(code, message)
         self._publisher.mark(stream)
 
     # -- control and heartbeat ------------------------------------------------------

@@ -26,6 +26,7 @@ from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk, Job
 from cluster.replylog import LOG_FIELD
+from workers.engine import EngineOutput
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,22 @@ class RequestStream:
     def finished(self) -> bool:
         """True once the final chunk has been queued for sending."""
         return self.finish_reason is not None
+
+    def add(self, out: EngineOutput) -> None:
+        """Accumulate one engine step's output for this request."""
+        self.pending_text.append(out.text)
+        self.pending_ids.extend(out.token_ids)
+        self.completion_tokens += len(out.token_ids)
+        self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+    def fail(self, code: str, message: str) -> None:
+        """End this reply with an error (its next chunk is the final one)."""
+        self.finish_reason = "error"
+        self.error_code = code
+        self.error_message = message
 
     def take(self) -> Chunk:
         """Turn everything pending into the next chunk."""
@@ -186,7 +203,7 @@ class Publisher:
             # on another worker never repeats or skips text.
             pipe.xadd(log_key, {LOG_FIELD: data}, maxlen=self._log_maxlen, approximate=True)
             pipe.publish(stream.job.reply_to, data)
-            if chunk.seq == 1 or chunk.finish_reason is not None:
+            if stream.seq == 1 or chunk.finish_reason is not None:
                 pipe.pexpire(log_key, self._log_ttl_ms)
         try:
             await pipe.execute()

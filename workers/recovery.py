@@ -9,6 +9,7 @@ sees text twice. A job whose log already holds its final chunk finished; it is o
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Literal
 
@@ -19,7 +20,8 @@ from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk, Job
 from cluster.queue import JobQueue, Poison
-from cluster.replylog import LOG_FIELD, read_log
+from cluster.replylog import read_log
+from workers.publisher import Publisher, RequestStream
 
 log = structlog.get_logger(__name__)
 
@@ -43,11 +45,18 @@ class Recovery:
     """Requeues or dead-letters jobs this worker holds the lease of."""
 
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, queue: JobQueue, worker_id: str, max_attempts: int
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        queue: JobQueue,
+        publisher: Publisher,
+        worker_id: str,
+        max_attempts: int,
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._queue = queue
+        self._publisher = publisher
         self._worker_id = worker_id
         self._max_attempts = max_attempts
 
@@ -84,21 +93,16 @@ class Recovery:
             return "lost_lease"
         log.error("job dead-lettered", request_id=job_id, reason=reason)
         if job is not None:
+            # The client's stream ends with a clear error, right after what it received.
             last = delivered[-1] if delivered else None
-            chunk = Chunk(
-                request_id=job_id,
-                seq=(last.seq if last else job.resume_seq) + 1,
-                text="",
+            stream = RequestStream(
+                job=resumed(job, delivered, job.attempt),
+                worker_id=self._worker_id,
+                queue_ms=0.0,
                 completion_tokens=last.completion_tokens if last else 0,
                 prompt_tokens=last.prompt_tokens if last else len(job.prompt_token_ids),
-                finish_reason="error",
-                error_code="dead_letter",
-                error_message=reason,
-                worker_id=self._worker_id,
             )
-            data = protocol.encode(chunk)
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(self._keys.log(job_id), {LOG_FIELD: data})
-                pipe.publish(job.reply_to, data)
-                await pipe.execute()
+            stream.fail("dead_letter", reason)
+            self._publisher.mark(stream)
+            await asyncio.wait_for(stream.done.wait(), timeout=30.0)
         return "dead_lettered"
