@@ -36,11 +36,6 @@ class Keys:
         return f"{self.namespace}:owners"
 
     @property
-    def cancelled(self) -> str:
-        """Set of job ids cancelled before or while running."""
-        return f"{self.namespace}:cancelled"
-
-    @property
     def batch(self) -> str:
         """Set of waiting or claimed job ids in the batch class (they yield headroom)."""
         return f"{self.namespace}:batch"

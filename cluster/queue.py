@@ -50,9 +50,16 @@ if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[7]) end
 return 1
 """
 
-_CLAIM = """
+# Lease times come from Redis's own clock, so workers with skewed clocks agree on expiry.
+_NOW_MS = """
 local t = redis.call('TIME')
-local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+_CLAIM = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[3])
 local want = tonumber(ARGV[2])
 local batch_room = tonumber(ARGV[4])
 local out = {}
@@ -78,6 +85,7 @@ while taken < want do
 end
 return out
 """
+)
 
 _ACK = """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
@@ -88,9 +96,9 @@ redis.call('SREM', KEYS[4], ARGV[1])
 return 1
 """
 
-_RECLAIM = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_RECLAIM = (
+    _NOW_MS
+    + """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
 local out = {}
 for _, id in ipairs(ids) do
@@ -102,6 +110,7 @@ for _, id in ipairs(ids) do
 end
 return out
 """
+)
 
 _REQUEUE = """
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
@@ -125,9 +134,10 @@ redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
 return 1
 """
 
-_RENEW = """
-local t = redis.call('TIME')
-local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2])
+_RENEW = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[2])
 local lost = {}
 for i = 3, #ARGV do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
@@ -138,6 +148,7 @@ for i = 3, #ARGV do
 end
 return lost
 """
+)
 
 _CANCEL = """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then

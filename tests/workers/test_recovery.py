@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cluster.keys import Keys
+from cluster.protocol import Job
 from cluster.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
@@ -28,10 +29,10 @@ async def ghost_delivers(
 ) -> None:
     """Play a worker that claims a job, streams ``tokens`` tokens, then dies silently."""
     [job] = await queue.claim("ghost", 1, lease_ms=200)
-    assert not isinstance(job, bytes) and job.id == job_id
+    assert isinstance(job, Job) and job.id == job_id
     publisher = Publisher(redis, keys)
     await publisher.start()
-    stream = RequestStream(job=job, worker_id="ghost", queue_ms=0.0)  # type: ignore[arg-type]
+    stream = RequestStream(job=job, worker_id="ghost", queue_ms=0.0)
     for i in range(tokens):
         stream.pending_text.append(f" t{i}")
         stream.pending_ids.append(i)
