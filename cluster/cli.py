@@ -2,6 +2,7 @@
 
 - ``charserve up``: the embedded stack (what ``make run`` runs).
 - ``charserve gateway``: gateway processes alone, against ``CHARSERVE_REDIS_URL``.
+- ``charserve keys create|list|revoke|limits``: API keys and per-tenant limits.
 - ``charserve prepare-model``: convert the bundled model once; print its folder.
 - ``charserve bench``: the streaming load generator (see ``cluster.bench``).
 - ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench_mixed``).
@@ -85,6 +86,67 @@ def cmd_prepare_model(settings: Settings) -> int:
     return 0
 
 
+def _add_keys_arguments(keys: argparse.ArgumentParser) -> None:
+    sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = sub.add_parser("create", help="create a key for a tenant and print it once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--name", default="", help="a label for operators")
+    sub.add_parser("list", help="list keys (ids and tenants, never the keys)")
+    revoke = sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("id")
+    limits = sub.add_parser("limits", help="set a tenant's requests/tokens per minute")
+    limits.add_argument("--tenant", required=True)
+    limits.add_argument("--rpm", type=int, default=0, help="requests per minute (0: none)")
+    limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: none)")
+
+
+def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
+    """Manage API keys in the Redis the gateways use."""
+    import asyncio
+    import json
+
+    from cluster.keys import Keys
+    from cluster.local import admin_redis_url
+    from cluster.redis import connect
+    from cluster.tenants import ApiKeys, Limits
+
+    async def run() -> int:
+        redis = connect(admin_redis_url(settings), max_connections=4)
+        api_keys = ApiKeys(redis, Keys(settings.namespace))
+        try:
+            if args.keys_command == "create":
+                key, record = await api_keys.create(args.tenant, args.name)
+                sys.stderr.write(f"key {record.id} for tenant {record.tenant}; shown once:\n")
+                print(key)
+            elif args.keys_command == "list":
+                for record in await api_keys.list():
+                    print(
+                        json.dumps(
+                            {
+                                "id": record.id,
+                                "tenant": record.tenant,
+                                "name": record.name,
+                                "created": record.created,
+                            }
+                        )
+                    )
+            elif args.keys_command == "revoke":
+                if not await api_keys.revoke(args.id):
+                    sys.stderr.write(f"no key with id {args.id}\n")
+                    return 1
+            else:
+                await api_keys.set_limits(args.tenant, Limits(args.rpm, args.tpm))
+            return 0
+        finally:
+            await redis.aclose()
+
+    try:
+        return asyncio.run(run())
+    except (ValueError, RuntimeError) as exc:
+        sys.stderr.write(f"charserve keys: {exc}\n")
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``charserve`` console script."""
     parser = argparse.ArgumentParser(prog="charserve", description=__doc__.splitlines()[0])
@@ -92,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("up", help="run the embedded stack on this machine")
     sub.add_parser("gateway", help="run gateway processes against a shared Redis")
     sub.add_parser("prepare-model", help="prepare the bundled model and print its folder")
+    _add_keys_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
     from cluster import bench_mixed
     from cluster.bench import add_arguments
@@ -109,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_gateway(settings)
     if args.command == "prepare-model":
         return cmd_prepare_model(settings)
+    if args.command == "keys":
+        return cmd_keys(settings, args)
     if args.command == "bench-mixed":
         return bench_mixed.run(args)
     from cluster.bench import run

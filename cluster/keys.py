@@ -74,3 +74,22 @@ class Keys:
     def log(self, request_id: str) -> str:
         """Capped stream of a request's chunks, for gap repair, resume and replay."""
         return f"{self.namespace}:log:{request_id}"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: SHA-256 of an API key -> its record (JSON: id, tenant, created, name)."""
+        return f"{self.namespace}:apikeys"
+
+    @property
+    def api_key_ids(self) -> str:
+        """Hash: key id -> SHA-256 of the key (for revocation by id)."""
+        return f"{self.namespace}:apikey-ids"
+
+    @property
+    def tenant_limits(self) -> str:
+        """Hash: tenant -> its own rate limits (JSON: rpm, tpm)."""
+        return f"{self.namespace}:limits"
+
+    def rate(self, tenant: str) -> str:
+        """A tenant's rate-limit buckets (expire when idle)."""
+        return f"{self.namespace}:rate:{tenant}"

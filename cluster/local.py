@@ -107,6 +107,22 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float)
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
 
 
+def url_file(settings: Settings) -> Path:
+    """Where a running ``charserve up`` writes the URL of its embedded Redis."""
+    return Path(settings.data_dir).expanduser() / "redis.url"
+
+
+def admin_redis_url(settings: Settings) -> str:
+    """The Redis an admin command should use: ``CHARSERVE_REDIS_URL``, else the embedded
+    stack's (while ``charserve up`` runs)."""
+    if settings.redis_url:
+        return settings.redis_url
+    path = url_file(settings)
+    if path.is_file():
+        return path.read_text().strip()
+    raise RuntimeError("set CHARSERVE_REDIS_URL (or start `charserve up` on this machine)")
+
+
 class LocalStack:
     """Redis, Ray, the Serve app and the gateway on this machine."""
 
@@ -136,8 +152,10 @@ class LocalStack:
         model = resolve_model(self.settings.model)
         redis_url = self.settings.redis_url
         if not redis_url:
-            self._redis = RedisServer().start()
+            self._redis = RedisServer(data_dir=self.settings.data_dir).start()
             redis_url = self._redis.url
+            # `charserve keys` and other admin commands find the embedded Redis here.
+            url_file(self.settings).write_text(redis_url + "\n")
         self.redis_url = redis_url
         config = load_serve_config(self.settings.serve_config, redis_url, self.settings.model)
         address = os.environ.get("RAY_ADDRESS")
@@ -149,7 +167,10 @@ class LocalStack:
         else:
             # Lean local Ray: no dashboard, nothing listening beyond 127.0.0.1.
             ray.init(
-                include_dashboard=False, logging_level=logging.WARNING, _node_ip_address="127.0.0.1"
+                include_dashboard=False,
+                dashboard_host="127.0.0.1",
+                logging_level=logging.WARNING,
+                _node_ip_address="127.0.0.1",
             )
         self._ray_started = True
         if callable(handler) and threading.current_thread() is threading.main_thread():
@@ -193,3 +214,4 @@ class LocalStack:
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
+            url_file(self.settings).unlink(missing_ok=True)

@@ -1,8 +1,10 @@
 """Redis connections, and a local ``redis-server`` for the embedded stack and the tests.
 
 Clients use redis-py's asyncio API with the hiredis parser (picked up automatically when
-installed). :class:`RedisServer` runs Debian's ``redis-server`` bound to 127.0.0.1 with
-persistence off, and stops it on close.
+installed). :class:`RedisServer` runs Debian's ``redis-server`` bound to 127.0.0.1 and
+stops it on close: with persistence off in a temporary folder (tests), or with an
+append-only file in a data folder that outlives it (``charserve up``), so keys,
+characters, sessions and batches survive a restart.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class RedisServer:
     """A private ``redis-server`` on 127.0.0.1, started by :meth:`start` and stopped by
     :meth:`stop` (also as a context manager)."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, data_dir: str | Path | None = None) -> None:
         self.port = port or free_port()
+        self.data_dir = Path(data_dir).expanduser() if data_dir else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -76,7 +79,13 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
-        self._dir = tempfile.TemporaryDirectory(prefix="charserve-redis-")
+        if self.data_dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="charserve-redis-")
+            folder, persistence = self._dir.name, ["--appendonly", "no"]
+        else:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            folder = str(self.data_dir)
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
         self._proc = subprocess.Popen(
             [
                 find_redis_server(),
@@ -86,10 +95,9 @@ class RedisServer:
                 str(self.port),
                 "--save",
                 "",
-                "--appendonly",
-                "no",
+                *persistence,
                 "--dir",
-                self._dir.name,
+                folder,
                 "--protected-mode",
                 "yes",
             ],

@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis to use; unset in `charserve up` starts a local one."
     )
+    data_dir: str = Field(
+        default="~/.local/share/charserve",
+        description="Where `charserve up` keeps its Redis append-only file (and its URL).",
+    )
     namespace: str = Field(default="charserve", description="Prefix of every Redis key.")
     host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     port: int = Field(default=8000, ge=0, le=65535, description="Gateway port.")
@@ -71,6 +75,25 @@ class Settings(BaseSettings):
         ge=1,
         description="Chunks buffered for one client; a client that falls this far behind "
         "is cut off with a slow_consumer error (it may resume from the log).",
+    )
+    # Limits (checked before anything is queued).
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 above)."
+    )
+    max_messages: int = Field(default=1024, ge=1, description="Most messages in one request.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Largest max_tokens a request may ask (None: the window)."
+    )
+    rate_limit_rpm: int = Field(
+        default=0, ge=0, description="Default requests per minute per tenant (0: unlimited)."
+    )
+    rate_limit_tpm: int = Field(
+        default=0,
+        ge=0,
+        description="Default tokens per minute per tenant, prompt plus max_tokens (0: unlimited).",
+    )
+    auth_cache_s: float = Field(
+        default=2.0, ge=0, description="How long a gateway caches key lookups and limits."
     )
     log_ttl_s: int = Field(
         default=3600, ge=1, description="How long a reply can be resumed (its log lives)."

@@ -19,7 +19,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.keys import Keys
 from cluster.logging import configure_logging
@@ -27,9 +26,11 @@ from cluster.models import resolve_model
 from cluster.queue import JobQueue
 from cluster.redis import connect
 from cluster.settings import Settings
+from cluster.tenants import ApiKeys, Limits, RateLimiter
 from gateway.admission import Admitter, admit
 from gateway.capacity import CapacityView
-from gateway.chat import ChatService, new_request_id, now_ms
+from gateway.chat import ChatService, now_ms
+from gateway.edge import Authenticator, EdgeMiddleware, new_request_id
 from gateway.errors import APIError, BadRequest, error_response
 from gateway.prompts import PromptBuilder
 from gateway.relay import Inbox
@@ -38,38 +39,10 @@ from gateway.schemas import ChatCompletionRequest
 
 log = structlog.get_logger(__name__)
 
-_ALLOWED_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-
-
-class RequestIdMiddleware:
-    """Gives every request an id (the client's ``X-Request-Id`` if sane) and puts it on
-    every response. Pure ASGI, so streaming responses pass through untouched."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        ok = 0 < len(given) <= 128 and set(given) <= _ALLOWED_ID
-        request_id = given if ok else new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
-        raw = request_id.encode()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
-                message["headers"] = [*headers, (b"x-request-id", raw)]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
 
 def _tenant(request: Request) -> str:
-    """The caller's tenant. Every caller is ``default`` until API keys name tenants."""
-    return "default"
+    """The caller's tenant, set by the edge middleware from the API key."""
+    return str(request.state.tenant)
 
 
 def _request_id(request: Request) -> str:
@@ -117,10 +90,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         queue = JobQueue(redis, keys, settings.queue_policy)
         capacity = CapacityView(redis, keys, settings.heartbeat_ms)
         await capacity.start()
+        auth = Authenticator(
+            ApiKeys(redis, keys),
+            RateLimiter(redis, keys),
+            Limits(settings.rate_limit_rpm, settings.rate_limit_tpm),
+            settings.auth_cache_s,
+        )
         app.state.redis = redis
         app.state.inbox = inbox
+        app.state.auth = auth
         app.state.chat = ChatService(
-            settings, queue, inbox, prompts, Admitter(settings, queue, capacity)
+            settings, queue, inbox, prompts, Admitter(settings, queue, capacity), auth
         )
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         try:
@@ -131,7 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await redis.aclose()
 
     app = FastAPI(title="charserve", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -25,6 +24,7 @@ from cluster.protocol import Chunk, Job
 from cluster.queue import JobQueue
 from cluster.settings import Settings
 from gateway.admission import Admission, Admitter
+from gateway.edge import Authenticator
 from gateway.errors import (
     BadRequest,
     GatewayTimeout,
@@ -46,11 +46,6 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 class ClientGone(Exception):
     """The client disconnected before the reply started."""
-
-
-def new_request_id() -> str:
-    """A fresh request id."""
-    return uuid.uuid4().hex
 
 
 def now_ms() -> int:
@@ -93,8 +88,10 @@ class ChatService:
         inbox: Inbox,
         prompts: PromptBuilder,
         admitter: Admitter,
+        auth: Authenticator | None = None,
     ) -> None:
         self._settings = settings
+        self._auth = auth
         self._admitter = admitter
         self._queue = queue
         self._inbox = inbox
@@ -111,6 +108,21 @@ class ChatService:
             )
         if request.n != 1:
             raise BadRequest("only n=1 is supported", param="n")
+        if len(request.messages) > self._settings.max_messages:
+            raise BadRequest(
+                f"at most {self._settings.max_messages} messages are accepted, "
+                f"got {len(request.messages)}",
+                param="messages",
+                code="too_many_messages",
+            )
+        asked = request.max_completion_tokens or request.max_tokens
+        bound = self._settings.max_completion_tokens
+        if asked is not None and bound is not None and asked > bound:
+            raise BadRequest(
+                f"max_tokens is at most {bound} on this server, got {asked}",
+                param="max_tokens",
+                code="max_tokens_exceeded",
+            )
         extra = request.model_extra or {}
         if extra.get("tools"):
             raise BadRequest("tools are not supported by this model", param="tools")
@@ -135,6 +147,7 @@ class ChatService:
         when its client goes away, so the client can come back for the rest."""
         self.check(request)
         prompt = self._prompts.build(request)
+        rate = await self._charge(tenant, len(prompt.token_ids) + prompt.max_tokens)
         job = Job(
             id=request_id,
             reply_to=self._inbox.channel,
@@ -179,13 +192,14 @@ class ChatService:
                 return StreamingResponse(
                     self._sse(request_id, fmt, first, chunks, resumable),
                     media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **rate},
                 )
             text, final = await _race_disconnect(self._collect(first, chunks), receive)
             if final.error_code is not None:
                 raise from_worker(final.error_code, final.error_message)
             return JSONResponse(
-                completion_body(meta.completion_id, meta.model, meta.created, text, final)
+                completion_body(meta.completion_id, meta.model, meta.created, text, final),
+                headers=rate,
             )
         except ClientGone:
             if not resumable:
@@ -197,6 +211,16 @@ class ChatService:
         finally:
             if not handed_off:
                 self._inbox.release(request_id)
+
+    async def _charge(self, tenant: str, tokens: int) -> dict[str, str]:
+        """Take the request from the tenant's rate limits; the x-ratelimit headers."""
+        if self._auth is None:
+            return {}
+        try:
+            decision = await self._auth.take(tenant, tokens)
+        except RedisError as exc:
+            raise _queue_unavailable() from exc
+        return decision.headers() if decision else {}
 
     async def _next(self, chunks: AsyncIterator[Chunk], receive: Receive) -> Chunk:
         try:

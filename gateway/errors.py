@@ -62,6 +62,22 @@ class NotFound(APIError):
     code = "not_found"
 
 
+class Unauthorized(APIError):
+    """No API key, or one that does not exist (401)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLarge(APIError):
+    """The body is over the configured bound (413)."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class TooManyRequests(APIError):
     """Refused for capacity or budget (429); always carries ``Retry-After``."""
 
