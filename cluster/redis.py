@@ -80,7 +80,8 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
         if self.data_dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="charserve-redis-")
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="charserve-redis-")
             folder, persistence = self._dir.name, ["--appendonly", "no"]
         else:
             self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -122,8 +123,9 @@ class RedisServer:
         log.info("redis-server started", url=self.url, pid=self._proc.pid)
         return self
 
-    def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL) and remove its folder."""
+    def stop_process(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) but keep its folder: :meth:`start`
+        brings it back on the same port (with its data, when it has a data folder)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -132,6 +134,10 @@ class RedisServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def stop(self) -> None:
+        """Stop the server and remove its temporary folder."""
+        self.stop_process()
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None

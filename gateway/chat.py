@@ -181,6 +181,7 @@ class ChatService:
                 )
             except RedisError as exc:
                 raise _queue_unavailable() from exc
+            replies.enqueued = True
             first = await self._next(chunks, receive)
             if first.error_code is not None:
                 raise from_worker(first.error_code, first.error_message)

@@ -129,6 +129,8 @@ def from_worker(code: str | None, message: str | None) -> APIError:
             code="expired",
             headers={"Retry-After": "1", "X-Charserve-Drop-Reason": "expired"},
         )
+    if code == "lost":
+        return ServiceUnavailable(text, code="lost", headers={"Retry-After": "1"})
     if code == "cancelled":
         return ServiceUnavailable(text, code="cancelled", headers={"Retry-After": "1"})
     return APIError(text, code=code or "internal_error")

@@ -8,11 +8,18 @@ request's log stream, which the worker writes in the same round trip as it publi
 Dispatch never blocks: a client that reads so slowly that its bounded queue fills is cut
 off with a ``slow_consumer`` error (it can resume from the log), so one slow reader never
 stalls the subscription or any other stream.
+
+Redis can go away. The subscription reconnects (and resubscribes) by itself; afterwards,
+and every few seconds for streams that have gone quiet, the inbox *reconciles*: it reads
+each stream's log (delivering what pub/sub dropped) and checks the job still exists. A job
+that no longer exists and never logged its final chunk (a Redis that restarted without
+its data) ends its stream with a ``lost`` error, so no accepted request waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -22,9 +29,13 @@ from redis.exceptions import RedisError
 from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk
-from cluster.replylog import read_log
+from cluster.replylog import LOG_FIELD, read_log
 
 log = structlog.get_logger(__name__)
+
+
+# A chunk with this seq (workers start at 1) tells a stream its job was lost.
+LOST_SEQ = 0
 
 
 class SlowConsumer(Exception):
@@ -40,8 +51,11 @@ class ReplyStream:
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue(maxsize)
         self._overflowed = False
         self._next_seq = 1
+        self.enqueued = False
+        self.last_delivery_s = time.monotonic()
 
     def _deliver(self, chunk: Chunk) -> None:
+        self.last_delivery_s = time.monotonic()
         try:
             self._queue.put_nowait(chunk)
         except asyncio.QueueFull:
@@ -59,6 +73,18 @@ class ReplyStream:
             if self._overflowed:
                 raise SlowConsumer(f"the client fell more than {self._queue.maxsize} chunks behind")
             chunk = await asyncio.wait_for(self._queue.get(), idle_timeout_s)
+            if chunk.seq == LOST_SEQ:
+                yield Chunk(
+                    self.request_id,
+                    self._next_seq,
+                    "",
+                    0,
+                    0,
+                    finish_reason="error",
+                    error_code="lost",
+                    error_message=chunk.error_message,
+                )
+                return
             if chunk.seq < self._next_seq:
                 continue  # already delivered from the log
             if chunk.seq > self._next_seq:
@@ -82,9 +108,17 @@ class Inbox:
     """This process's inbox channel and its dispatcher."""
 
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, gateway_id: str, queue_size: int = 1024
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        gateway_id: str,
+        queue_size: int = 1024,
+        watchdog_s: float = 5.0,
     ) -> None:
         self.channel = keys.inbox(gateway_id)
+        self._watchdog_s = watchdog_s
+        self._watchdog: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[None] | None = None
         self._redis = redis
         self._keys = keys
         self._queue_size = queue_size
@@ -99,12 +133,14 @@ class Inbox:
         await self._pubsub.subscribe(self.channel)
         self.subscribed.set()
         self._task = asyncio.create_task(self._run(), name="inbox")
+        self._watchdog = asyncio.create_task(self._watch(), name="inbox-watchdog")
 
     async def close(self) -> None:
         """Stop dispatching and unsubscribe."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._watchdog, self._recovery) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._pubsub is not None:
             await self._pubsub.aclose()
 
@@ -133,8 +169,11 @@ class Inbox:
             try:
                 message = await self._pubsub.get_message(timeout=None)
             except RedisError as exc:
+                if self.subscribed.is_set():
+                    log.warning("inbox connection lost, resubscribing", error=str(exc))
                 self.subscribed.clear()
-                log.warning("inbox connection lost, resubscribing", error=str(exc))
+                if self._recovery is None or self._recovery.done():
+                    self._recovery = asyncio.create_task(self._recover(), name="inbox-recovery")
                 await asyncio.sleep(0.2)
                 continue
             if message is None:
@@ -148,3 +187,79 @@ class Inbox:
             stream = self._streams.get(chunk.request_id)
             if stream is not None:
                 stream._deliver(chunk)
+
+    async def _recover(self) -> None:
+        """After a lost connection: once Redis answers and the subscription is back,
+        reconcile every open stream (twice: chunks published while the resubscribe was in
+        flight are in the log by the second pass)."""
+        assert self._pubsub is not None
+        while True:
+            await asyncio.sleep(0.2)
+            connection = self._pubsub.connection
+            if connection is None or not connection.is_connected:
+                continue
+            try:
+                await self._redis.ping()
+            except RedisError:
+                continue
+            break
+        self.subscribed.set()
+        log.info("inbox resubscribed", streams=len(self._streams))
+        for delay in (0.0, 1.0):
+            await asyncio.sleep(delay)
+            await self._reconcile_safely(list(self._streams.values()))
+
+    async def _watch(self) -> None:
+        """Every ``watchdog_s``, reconcile the streams that have gone quiet that long."""
+        while True:
+            await asyncio.sleep(self._watchdog_s)
+            quiet_since = time.monotonic() - self._watchdog_s
+            quiet = [s for s in self._streams.values() if s.last_delivery_s < quiet_since]
+            if quiet and self.subscribed.is_set():
+                await self._reconcile_safely(quiet)
+
+    async def _reconcile_safely(self, streams: list[ReplyStream]) -> None:
+        try:
+            await self._reconcile([s for s in streams if s.enqueued])
+        except RedisError as exc:
+            log.warning("reconcile failed", error=str(exc))
+
+    async def _reconcile(self, streams: list[ReplyStream]) -> None:
+        """Deliver what each stream's log holds beyond what it has seen; end the stream
+        with ``lost`` if its job is gone without a final chunk."""
+        if not streams:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                # Job first, then log: a job is removed only after its final chunk is
+                # logged, so "no job" read first means the log read next is complete.
+                pipe.hexists(self._keys.jobs, stream.request_id)
+                pipe.xrevrange(self._keys.log(stream.request_id), count=1)
+            replies = await pipe.execute()
+        for i, stream in enumerate(streams):
+            exists, last = replies[2 * i], replies[2 * i + 1]
+            last_seq = protocol.decode_as(last[0][1][LOG_FIELD], Chunk).seq if last else 0
+            final = False
+            if last_seq >= stream._next_seq:
+                for chunk in await self.read_log(stream.request_id, stream._next_seq):
+                    stream._deliver(chunk)
+                    final = final or chunk.is_final
+            if not exists and not final and (last_seq == 0 or not _is_final(last)):
+                log.warning("request lost", request_id=stream.request_id)
+                stream._deliver(
+                    Chunk(
+                        stream.request_id,
+                        LOST_SEQ,
+                        "",
+                        0,
+                        0,
+                        finish_reason="error",
+                        error_code="lost",
+                        error_message="the request was lost (its queue restarted without "
+                        "its data); retry it",
+                    )
+                )
+
+
+def _is_final(last: list[tuple[bytes, dict[bytes, bytes]]]) -> bool:
+    return protocol.decode_as(last[0][1][LOG_FIELD], Chunk).is_final

@@ -118,6 +118,7 @@ class Publisher:
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()
         self._sending = False
+        self._failing = False
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -209,10 +210,15 @@ class Publisher:
             await pipe.execute()
         except RedisError as exc:
             # Keep the chunks, in order, and try again: nothing is dropped.
-            log.warning("publish failed, retrying", error=str(exc), chunks=len(batch))
+            if not self._failing:
+                log.warning("publish failed, retrying", error=str(exc), chunks=len(batch))
+            self._failing = True
             self._unsent = batch + self._unsent
             await asyncio.sleep(0.05)
             return
+        if self._failing:
+            self._failing = False
+            log.info("publishing again", chunks=len(batch))
         for stream, chunk in batch:
             if chunk.finish_reason is not None:
                 stream.done.set()
