@@ -17,8 +17,8 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-VERSION = 1
-_ACCEPTED = frozenset({1})
+VERSION = 2
+_ACCEPTED = frozenset({1, 2})
 
 
 class ProtocolError(ValueError):
@@ -73,6 +73,8 @@ class Chunk:
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     token_ids: list[int] = field(default_factory=list)
+    # v2: when the worker published this chunk (wall clock, ms), for the relay lag.
+    sent_ms: float = 0.0
 
     @property
     def is_final(self) -> bool:

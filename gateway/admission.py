@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from cluster.metrics import GatewayMetrics
 from cluster.protocol import Job
 from cluster.queue import JobQueue
 from cluster.settings import Settings
@@ -100,10 +101,17 @@ def estimate_ttft_ms(capacity: Capacity, ahead: int) -> float | None:
 class Admitter:
     """The admission decision: a few named checks, each of which may refuse."""
 
-    def __init__(self, settings: Settings, queue: JobQueue, view: CapacityView) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        queue: JobQueue,
+        view: CapacityView,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self._settings = settings
         self._queue = queue
         self._view = view
+        self._metrics = metrics or GatewayMetrics()
 
     async def check(self, job: Job) -> None:
         """Raise the client-facing error when ``job`` should not be queued."""
@@ -111,10 +119,13 @@ class Admitter:
         for step in (self._queue_bound, self._workers_present):
             rejection = step(job, capacity)
             if rejection is not None:
+                self._metrics.rejected(job.priority_class, rejection.reason)
                 raise rejection.error()
         rejection = await self._budget(job, capacity)
         if rejection is not None:
+            self._metrics.rejected(job.priority_class, rejection.reason)
             raise rejection.error()
+        self._metrics.admitted(job.priority_class)
 
     def _queue_bound(self, job: Job, capacity: Capacity) -> Rejection | None:
         if capacity.waiting < self._settings.max_queued:

@@ -22,6 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.keys import Keys
 from cluster.logging import configure_logging
+from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from cluster.metrics import GatewayMetrics, read_worker_metrics, render_all
 from cluster.models import resolve_model
 from cluster.queue import JobQueue
 from cluster.redis import connect
@@ -96,11 +98,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             Limits(settings.rate_limit_rpm, settings.rate_limit_tpm),
             settings.auth_cache_s,
         )
+        metrics = GatewayMetrics()
+        metrics.bind(
+            active_streams=lambda: inbox.active,
+            queued=lambda: capacity.current.waiting,
+            workers=lambda: capacity.current.workers,
+        )
         app.state.redis = redis
         app.state.inbox = inbox
         app.state.auth = auth
+        app.state.metrics = metrics
         app.state.chat = ChatService(
-            settings, queue, inbox, prompts, Admitter(settings, queue, capacity), auth
+            settings,
+            queue,
+            inbox,
+            prompts,
+            Admitter(settings, queue, capacity, metrics),
+            auth,
+            metrics,
         )
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         try:
@@ -177,6 +192,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 }
             ],
         }
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_page(request: Request) -> Response:
+        """Prometheus metrics: this gateway's, plus every live worker's (and its vLLM
+        engine's) as the workers last exported them, labelled by ``replica``."""
+        try:
+            texts = await read_worker_metrics(request.app.state.redis, keys)
+        except RedisError:
+            texts = {}
+        body = await asyncio.to_thread(render_all, request.app.state.metrics.registry, texts)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

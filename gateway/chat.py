@@ -20,6 +20,7 @@ import structlog
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 
+from cluster.metrics import GatewayMetrics, chunk_outcome
 from cluster.protocol import Chunk, Job
 from cluster.queue import JobQueue
 from cluster.settings import Settings
@@ -31,6 +32,7 @@ from gateway.errors import (
     NotFound,
     ServiceUnavailable,
     SlowClient,
+    TooManyRequests,
     from_worker,
 )
 from gateway.prompts import PromptBuilder
@@ -73,6 +75,46 @@ async def _race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
     raise ClientGone
 
 
+class _Tracker:
+    """One request's metrics and its one summary log line (written once, at the end)."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, request_id: str, tenant: str, job: Job, stream: bool
+    ) -> None:
+        self._timer = metrics.request(job.priority_class, job.arrival_ms)
+        self._fields: dict[str, Any] = {
+            "request_id": request_id,
+            "tenant": tenant,
+            "priority": job.priority_class,
+            "stream": stream,
+            "prompt_tokens": len(job.prompt_token_ids),
+        }
+        self._arrival_ms = job.arrival_ms
+        self._done = False
+
+    def chunk(self, chunk: Chunk) -> None:
+        """Note a chunk written to (or collected for) the client."""
+        self._timer.on_chunk(chunk)
+        if "ttft_ms" not in self._fields:
+            self._fields["ttft_ms"] = round(now_ms() - self._arrival_ms, 1)
+            self._fields["queue_ms"] = round(chunk.queue_ms, 1)
+            self._fields["worker_id"] = chunk.worker_id
+        self._fields["completion_tokens"] = chunk.completion_tokens
+
+    def finish(self, outcome: str) -> None:
+        """Record the outcome (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        self._timer.finish(outcome)
+        log.info(
+            "request finished",
+            outcome=outcome,
+            e2e_ms=round(now_ms() - self._arrival_ms, 1),
+            **self._fields,
+        )
+
+
 def _queue_unavailable() -> ServiceUnavailable:
     """Redis did not answer: the client should retry shortly (nothing was queued)."""
     return ServiceUnavailable("the queue is unavailable", headers={"Retry-After": "1"})
@@ -89,9 +131,11 @@ class ChatService:
         prompts: PromptBuilder,
         admitter: Admitter,
         auth: Authenticator | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._settings = settings
         self._auth = auth
+        self._metrics = metrics or GatewayMetrics()
         self._admitter = admitter
         self._queue = queue
         self._inbox = inbox
@@ -147,7 +191,9 @@ class ChatService:
         when its client goes away, so the client can come back for the rest."""
         self.check(request)
         prompt = self._prompts.build(request)
-        rate = await self._charge(tenant, len(prompt.token_ids) + prompt.max_tokens)
+        rate = await self._charge(
+            tenant, len(prompt.token_ids) + prompt.max_tokens, admission.priority_class
+        )
         job = Job(
             id=request_id,
             reply_to=self._inbox.channel,
@@ -164,6 +210,7 @@ class ChatService:
             await self._admitter.check(job)
         except RedisError as exc:
             raise _queue_unavailable() from exc
+        tracker = _Tracker(self._metrics, request_id, tenant, job, request.stream)
         replies = self._inbox.open(request_id)
         chunks = replies.chunks(self._settings.request_timeout_s)
         handed_off = False
@@ -183,7 +230,11 @@ class ChatService:
                 raise _queue_unavailable() from exc
             replies.enqueued = True
             first = await self._next(chunks, receive)
+            tracker.chunk(first)
             if first.error_code is not None:
+                tracker.finish(chunk_outcome(first))
+                if first.error_code == "expired":
+                    self._metrics.rejected(job.priority_class, "expired")
                 raise from_worker(first.error_code, first.error_message)
             if request.stream:
                 fmt = ChunkFormatter(
@@ -191,11 +242,12 @@ class ChatService:
                 )
                 handed_off = True
                 return StreamingResponse(
-                    self._sse(request_id, fmt, first, chunks, resumable),
+                    self._sse(request_id, fmt, first, chunks, resumable, tracker),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **rate},
                 )
-            text, final = await _race_disconnect(self._collect(first, chunks), receive)
+            text, final = await _race_disconnect(self._collect(first, chunks, tracker), receive)
+            tracker.finish(chunk_outcome(final))
             if final.error_code is not None:
                 raise from_worker(final.error_code, final.error_message)
             return JSONResponse(
@@ -203,17 +255,19 @@ class ChatService:
                 headers=rate,
             )
         except ClientGone:
+            tracker.finish("cancelled")
             if not resumable:
                 self._cancel(request_id, "client_disconnected")
             return Response(status_code=499)
-        except BaseException:
+        except BaseException as exc:
+            tracker.finish("timeout" if isinstance(exc, GatewayTimeout) else "error")
             self._cancel(request_id, "failed")
             raise
         finally:
             if not handed_off:
                 self._inbox.release(request_id)
 
-    async def _charge(self, tenant: str, tokens: int) -> dict[str, str]:
+    async def _charge(self, tenant: str, tokens: int, priority: str) -> dict[str, str]:
         """Take the request from the tenant's rate limits; the x-ratelimit headers."""
         if self._auth is None:
             return {}
@@ -221,6 +275,9 @@ class ChatService:
             decision = await self._auth.take(tenant, tokens)
         except RedisError as exc:
             raise _queue_unavailable() from exc
+        except TooManyRequests:
+            self._metrics.rejected(priority, "rate_limited")
+            raise
         return decision.headers() if decision else {}
 
     async def _next(self, chunks: AsyncIterator[Chunk], receive: Receive) -> Chunk:
@@ -230,11 +287,14 @@ class ChatService:
             raise GatewayTimeout("no reply from any worker in time") from exc
         return chunk
 
-    async def _collect(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk]:
+    async def _collect(
+        self, first: Chunk, chunks: AsyncIterator[Chunk], tracker: _Tracker
+    ) -> tuple[str, Chunk]:
         parts = [first.text]
         final = first
         if not first.is_final:
             async for chunk in chunks:
+                tracker.chunk(chunk)
                 parts.append(chunk.text)
                 final = chunk
         return "".join(parts), final
@@ -246,6 +306,7 @@ class ChatService:
         first: Chunk,
         chunks: AsyncIterator[Chunk],
         resumable: bool,
+        tracker: _Tracker,
     ) -> AsyncIterator[bytes]:
         finished = False
         try:
@@ -254,13 +315,17 @@ class ChatService:
                 yield fmt.render(chunk)
                 if chunk.is_final:
                     finished = True
+                    tracker.finish(chunk_outcome(chunk))
                     return
                 chunk = await anext(chunks)
+                tracker.chunk(chunk)
         except TimeoutError:
             finished = True
+            tracker.finish("timeout")
             yield error_event(GatewayTimeout("the reply stopped arriving").body())
             yield DONE
         except SlowConsumer as exc:
+            tracker.finish("slow_consumer")
             yield error_event(
                 SlowClient(
                     f"{exc}; resume with GET /v1/chat/completions/{request_id}/events and "
@@ -270,6 +335,7 @@ class ChatService:
             yield DONE
         finally:
             self._inbox.release(request_id)
+            tracker.finish("cancelled")
             if not finished and not resumable:
                 self._cancel(request_id, "client_disconnected")
 

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from cluster import protocol
 from cluster.keys import Keys
+from cluster.metrics import WorkerMetrics, metrics_key, render_worker_metrics, run_worker_exporter
 from cluster.protocol import Cancel, Job, WorkerStats
 from cluster.queue import JobQueue, Poison, QueuePolicy
 from cluster.redis import connect
@@ -98,6 +99,8 @@ class Consumer:
         self._prefill_ms_avg = 0.0
         self._prefill_at_s = 0.0
         self._last_beat_s = time.monotonic()
+        self.metrics = WorkerMetrics()
+        self.metrics.bind(inflight=lambda: len(self._running), slots=lambda: engine.max_slots)
 
     @property
     def running(self) -> int:
@@ -133,6 +136,14 @@ class Consumer:
             asyncio.create_task(self._claim_loop(), name="claim"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._control_loop(pubsub), name="control"),
+            asyncio.create_task(
+                run_worker_exporter(
+                    self._redis,
+                    metrics_key(self._keys, self.worker_id),
+                    lambda: render_worker_metrics(self.metrics),
+                ),
+                name="metrics",
+            ),
         ]
         log.info("consumer started", worker_id=self.worker_id, slots=self._engine.max_slots)
 
@@ -205,6 +216,7 @@ class Consumer:
                     await self._recover_safely(job)
                     continue
                 self._claimed_total += 1
+                self.metrics.claimed(job.priority_class)
                 if job.priority_class == "batch":
                     self._batch_running.add(job.id)
                     self._pacer.take(1)
@@ -222,6 +234,7 @@ class Consumer:
         )
         started_s = time.perf_counter()
         handed_back = False
+        outcome = "completed"
         try:
             # A retry already met (or missed) its budget on its first worker: finish it.
             if job.attempt == 0 and claimed_ms > job.deadline_ms:
@@ -242,13 +255,16 @@ class Consumer:
         except asyncio.CancelledError:
             await self._engine.abort(job.id)
             if self._handing_back:
-                handed_back = True
+                handed_back, outcome = True, "handed_back"
             else:
+                outcome = "cancelled"
                 self._fail(stream, "cancelled", "the request was cancelled")
         except JobError as exc:
+            outcome = exc.code
             self._fail(stream, exc.code, str(exc))
         except Exception as exc:  # an engine failure ends this job, not the worker
             log.exception("job failed")
+            outcome = "error"
             self._fail(stream, "internal_error", f"generation failed: {exc}")
         finally:
             self._completed_since_beat += 1
@@ -264,6 +280,17 @@ class Consumer:
         except (TimeoutError, RedisError) as exc:
             # The lease will expire and the job is requeued: never silently lost.
             log.warning("could not finish job", error=str(exc))
+        log.info(
+            "job finished",
+            outcome=outcome,
+            priority=job.priority_class,
+            attempt=job.attempt,
+            queue_ms=round(stream.queue_ms, 1),
+            prefill_ms=round(stream.prefill_ms, 1),
+            run_ms=round((time.perf_counter() - started_s) * 1000.0, 1),
+            prompt_tokens=len(job.prompt_token_ids),
+            completion_tokens=stream.completion_tokens,
+        )
         structlog.contextvars.unbind_contextvars("request_id", "tenant")
 
     async def _hand_back(self, stream: RequestStream) -> None:
@@ -272,6 +299,7 @@ class Consumer:
         assert self._publisher is not None and self._recovery is not None
         await self._publisher.flush()  # every output was marked as it arrived
         outcome = await self._recovery.recover(stream.job, count_attempt=False)
+        self.metrics.recovered(outcome, handback=True)
         log.info("job handed back", request_id=stream.job.id, outcome=outcome)
 
     async def _recover_safely(self, job: Job | Poison) -> None:
@@ -279,8 +307,9 @@ class Consumer:
         try:
             if isinstance(job, Poison):
                 await self._recovery.poison(job)
+                self.metrics.poisoned()
             else:
-                await self._recovery.recover(job)
+                self.metrics.recovered(await self._recovery.recover(job))
         except (TimeoutError, RedisError, protocol.ProtocolError) as exc:
             # Our lease on it expires in turn and another worker tries again.
             log.warning("recovery failed", request_id=job.id, error=str(exc))
@@ -357,6 +386,7 @@ class Consumer:
             )
             await pipe.execute()
         lost = await self._queue.renew(self.worker_id, list(self._running), self._config.lease_ms)
+        self.metrics.lease_lost(len(lost))
         for job_id in lost:
             log.warning("lease lost, abandoning job", request_id=job_id)
             task = self._running.get(job_id)
@@ -364,4 +394,5 @@ class Consumer:
                 task.cancel()
         if not self._stopping:
             for orphan in await self._queue.reclaim_expired(self.worker_id, self._config.lease_ms):
+                self.metrics.lease_expired()
                 await self._recover_safely(orphan)

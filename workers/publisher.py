@@ -90,6 +90,7 @@ class RequestStream:
             queue_ms=self.queue_ms,
             prefill_ms=self.prefill_ms,
             token_ids=list(self.pending_ids),
+            sent_ms=time.time() * 1000.0,
         )
         self.pending_text.clear()
         self.pending_ids.clear()
