@@ -2,6 +2,8 @@
 
 - ``charserve up``: the embedded stack (what ``make run`` runs).
 - ``charserve gateway``: gateway processes alone, against ``CHARSERVE_REDIS_URL``.
+- ``charserve deploy --config FILE``: deploy a Serve config to a running Ray cluster
+  (``RAY_ADDRESS``); see ``cluster.deploy``.
 - ``charserve keys create|list|revoke|limits``: API keys and per-tenant limits.
 - ``charserve prepare-model``: convert the bundled model once; print its folder.
 - ``charserve bench``: the streaming load generator (see ``cluster.bench``).
@@ -33,6 +35,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def cmd_up(settings: Settings) -> int:
     """Run the embedded stack until Ctrl-C or SIGTERM."""
     from cluster.local import LocalStack
+    from cluster.redis import redacted_url
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     stack = LocalStack(settings)
@@ -43,7 +46,7 @@ def cmd_up(settings: Settings) -> int:
             "charserve ready",
             url=stack.base_url,
             model=settings.served_model_name,
-            redis_url=stack.redis_url,
+            redis_url=redacted_url(stack.redis_url),
         )
         sys.stderr.write(f"charserve ready on {stack.base_url}\n")
         sys.stderr.flush()
@@ -154,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("up", help="run the embedded stack on this machine")
     sub.add_parser("gateway", help="run gateway processes against a shared Redis")
     sub.add_parser("prepare-model", help="prepare the bundled model and print its folder")
+    deploy = sub.add_parser("deploy", help="deploy a Serve config to a running Ray cluster")
+    deploy.add_argument("--config", required=True, help="Serve config (ray-configs/*.yaml)")
+    deploy.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS)")
+    deploy.add_argument("--timeout-s", type=float, default=900.0, help="wait for RUNNING (s)")
     _add_keys_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
     from cluster import bench_mixed
@@ -172,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_gateway(settings)
     if args.command == "prepare-model":
         return cmd_prepare_model(settings)
+    if args.command == "deploy":
+        from cluster import deploy as deploy_cmd
+
+        return deploy_cmd.run(args.config, args.address, args.timeout_s, settings)
     if args.command == "keys":
         return cmd_keys(settings, args)
     if args.command == "bench-mixed":
