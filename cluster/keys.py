@@ -51,6 +51,15 @@ class Keys:
         return f"{self.namespace}:wake"
 
     @property
+    def prefer(self) -> str:
+        """Hash: queued job id -> ``worker|until_ms``, the worker it should wait for."""
+        return f"{self.namespace}:prefer"
+
+    def wake_for(self, worker_id: str) -> str:
+        """A wake list for one worker: enqueues of jobs that prefer it."""
+        return f"{self.namespace}:wake:{worker_id}"
+
+    @property
     def workers(self) -> str:
         """Sorted set of worker ids, score = last heartbeat (ms)."""
         return f"{self.namespace}:workers"

@@ -44,9 +44,19 @@ _ENQUEUE = """
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3]) == 0 then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 if ARGV[5] == '1' then redis.call('SADD', KEYS[4], ARGV[1]) end
-redis.call('LPUSH', KEYS[3], '1')
-redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
 if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[7]) end
+if ARGV[8] == '' then
+  redis.call('LPUSH', KEYS[3], '1')
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
+else
+  -- Only the preferred worker can take it now: wake that one.
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('HSET', KEYS[6], ARGV[1], ARGV[8] .. '|' .. (now + tonumber(ARGV[9])))
+  redis.call('LPUSH', KEYS[7], '1')
+  redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[4]) - 1)
+  redis.call('PEXPIRE', KEYS[7], 60000)
+end
 return 1
 """
 
@@ -64,16 +74,27 @@ local want = tonumber(ARGV[2])
 local batch_room = tonumber(ARGV[4])
 local out = {}
 local taken = 0
-while taken < want do
-  local popped = redis.call('ZPOPMIN', KEYS[1])
-  if #popped == 0 then break end
-  local id = popped[1]
-  local is_batch = redis.call('SISMEMBER', KEYS[5], id) == 1
-  if is_batch and batch_room <= 0 then
-    redis.call('ZADD', KEYS[1], popped[2], id)
-    break
+-- Scan the head of the queue in order. A job that prefers another worker (session
+-- affinity) is left for it until its preference lapses; everything else runs in order.
+local head = redis.call('ZRANGE', KEYS[1], 0, want + 31)
+for _, id in ipairs(head) do
+  if taken >= want then break end
+  local mine = true
+  local pref = redis.call('HGET', KEYS[6], id)
+  if pref then
+    local sep = string.find(pref, '|', 1, true)
+    if string.sub(pref, 1, sep - 1) ~= ARGV[1] and now < tonumber(string.sub(pref, sep + 1)) then
+      mine = false
+    end
   end
-  local body = redis.call('HGET', KEYS[2], id)
+  local is_batch = redis.call('SISMEMBER', KEYS[5], id) == 1
+  if mine and is_batch and batch_room <= 0 then break end
+  local body = nil
+  if mine then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[6], id)
+    body = redis.call('HGET', KEYS[2], id)
+  end
   if body then
     if is_batch then batch_room = batch_room - 1 end
     redis.call('ZADD', KEYS[3], expiry, id)
@@ -154,6 +175,7 @@ _CANCEL = """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   redis.call('HDEL', KEYS[2], ARGV[1])
   redis.call('SREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
   return 'dequeued'
 end
 local owner = redis.call('HGET', KEYS[3], ARGV[1])
@@ -216,16 +238,34 @@ class JobQueue:
         """Queue order: deadline for EDF, arrival for FIFO (lower runs first)."""
         return job.deadline_ms if self.policy == "edf" else job.arrival_ms
 
-    async def enqueue(self, job: Job, meta: bytes = b"", meta_ttl_ms: int = 3_600_000) -> bool:
+    async def enqueue(
+        self,
+        job: Job,
+        meta: bytes = b"",
+        meta_ttl_ms: int = 3_600_000,
+        prefer: str | None = None,
+        prefer_ms: int = 500,
+    ) -> bool:
         """Queue ``job`` and wake one idle worker. False if its id is already queued.
 
         ``meta`` (who asked, and how to render the reply) is stored beside the job's reply
         log in the same round trip, for resuming and for checking who may read it.
+        ``prefer`` names a worker that should run it (its prefix cache holds the
+        conversation): other workers leave the job for ``prefer_ms``, and that worker is
+        woken directly.
         """
         k = self._keys
         is_batch = "1" if job.priority_class == "batch" else "0"
         added = await self._enqueue(
-            keys=[k.queue, k.jobs, k.wake, k.batch, k.meta(job.id)],
+            keys=[
+                k.queue,
+                k.jobs,
+                k.wake,
+                k.batch,
+                k.meta(job.id),
+                k.prefer,
+                k.wake_for(prefer or ""),
+            ],
             args=[
                 job.id,
                 self.score(job),
@@ -234,6 +274,8 @@ class JobQueue:
                 is_batch,
                 meta,
                 meta_ttl_ms,
+                prefer or "",
+                prefer_ms,
             ],
         )
         return bool(added)
@@ -252,7 +294,7 @@ class JobQueue:
         k = self._keys
         room = max_jobs if batch_room is None else max(0, batch_room)
         bodies = await self._claim(
-            keys=[k.queue, k.jobs, k.leases, k.owners, k.batch],
+            keys=[k.queue, k.jobs, k.leases, k.owners, k.batch, k.prefer],
             args=[worker_id, max_jobs, lease_ms, room],
         )
         return _decode_pairs(bodies)
@@ -289,12 +331,18 @@ class JobQueue:
         )
         return bool(done)
 
-    async def wait_for_work(self, redis: aioredis.Redis, timeout_s: float) -> bool:
-        """Block on the wake list until an enqueue (True) or the timeout (False).
+    async def wait_for_work(
+        self, redis: aioredis.Redis, timeout_s: float, worker_id: str = ""
+    ) -> bool:
+        """Block on the wake lists (this worker's own, then the shared one) until an
+        enqueue (True) or the timeout (False).
 
         ``redis`` must be a client whose connection may block (a dedicated one).
         """
-        got = await redis.blpop([self._keys.wake], timeout=timeout_s)
+        lists = (
+            [self._keys.wake_for(worker_id), self._keys.wake] if worker_id else [self._keys.wake]
+        )
+        got = await redis.blpop(lists, timeout=timeout_s)
         return got is not None
 
     async def ack(self, job_id: str, worker_id: str) -> bool:
@@ -316,7 +364,8 @@ class JobQueue:
         k = self._keys
         message = protocol.encode(protocol.Cancel(request_id=job_id, reason=reason))
         outcome = await self._cancel(
-            keys=[k.queue, k.jobs, k.owners, k.batch], args=[job_id, k.control(""), message]
+            keys=[k.queue, k.jobs, k.owners, k.batch, k.prefer],
+            args=[job_id, k.control(""), message],
         )
         text = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         return text  # type: ignore[return-value]

@@ -76,6 +76,19 @@ class Settings(BaseSettings):
         description="Chunks buffered for one client; a client that falls this far behind "
         "is cut off with a slow_consumer error (it may resume from the log).",
     )
+    # Characters and sessions.
+    session_affinity: bool = Field(
+        default=True,
+        description="Send a session's next turn to the replica that served its last one "
+        "(its prefix cache holds the conversation) when that replica has room.",
+    )
+    affinity_wait_ms: int = Field(
+        default=500, ge=0, description="How long other replicas leave such a turn alone."
+    )
+    default_system_prompt: str = Field(
+        default="", description="System prompt for characters whose card has none."
+    )
+
     # Limits (checked before anything is queued).
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 above)."

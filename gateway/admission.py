@@ -113,6 +113,10 @@ class Admitter:
         self._view = view
         self._metrics = metrics or GatewayMetrics()
 
+    def free_by_worker(self) -> dict[str, int]:
+        """Free slots of each live worker, from the latest snapshot."""
+        return self._view.current.free_by_worker
+
     async def check(self, job: Job) -> None:
         """Raise the client-facing error when ``job`` should not be queued."""
         capacity = self._view.current

@@ -31,6 +31,8 @@ from cluster.settings import Settings
 from cluster.tenants import ApiKeys, Limits, RateLimiter
 from gateway.admission import Admitter, admit
 from gateway.capacity import CapacityView
+from gateway.characters import CharacterStore, PersonaChat
+from gateway.characters import router as characters_router
 from gateway.chat import ChatService, now_ms
 from gateway.edge import Authenticator, EdgeMiddleware, new_request_id
 from gateway.errors import APIError, BadRequest, error_response
@@ -108,6 +110,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.inbox = inbox
         app.state.auth = auth
         app.state.metrics = metrics
+        app.state.characters = characters = CharacterStore(redis, keys)
+        persona = PersonaChat(
+            characters,
+            prompts.count,
+            settings.max_model_len,
+            settings.default_system_prompt,
+            settings.session_affinity,
+        )
         app.state.chat = ChatService(
             settings,
             queue,
@@ -116,6 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             Admitter(settings, queue, capacity, metrics),
             auth,
             metrics,
+            persona,
         )
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         try:
@@ -126,6 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await redis.aclose()
 
     app = FastAPI(title="charserve", version="0.1.0", lifespan=lifespan)
+    app.include_router(characters_router())
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes)
 
     @app.exception_handler(APIError)

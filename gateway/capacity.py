@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
@@ -33,6 +33,8 @@ class Capacity:
     prefill_ms: float = 0.0
     waiting: int = 0
     taken_at_s: float = 0.0
+    # Free slots of each live (not draining) worker, for session affinity.
+    free_by_worker: dict[str, int] = field(default_factory=dict)
 
 
 def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
@@ -46,6 +48,7 @@ def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
         prefill_ms=max(prefill) if prefill else 0.0,
         waiting=waiting,
         taken_at_s=now_s,
+        free_by_worker={s.worker_id: s.free_slots for s in live},
     )
 
 

@@ -25,6 +25,7 @@ from cluster.protocol import Chunk, Job
 from cluster.queue import JobQueue
 from cluster.settings import Settings
 from gateway.admission import Admission, Admitter
+from gateway.characters import PersonaChat, PersonaTurn
 from gateway.edge import Authenticator
 from gateway.errors import (
     BadRequest,
@@ -132,9 +133,11 @@ class ChatService:
         admitter: Admitter,
         auth: Authenticator | None = None,
         metrics: GatewayMetrics | None = None,
+        persona: PersonaChat | None = None,
     ) -> None:
         self._settings = settings
         self._auth = auth
+        self._persona = persona
         self._metrics = metrics or GatewayMetrics()
         self._admitter = admitter
         self._queue = queue
@@ -190,7 +193,8 @@ class ChatService:
         """Run one chat completion end to end. A ``resumable`` request keeps generating
         when its client goes away, so the client can come back for the rest."""
         self.check(request)
-        prompt = self._prompts.build(request)
+        turn = await self._persona_turn(request, tenant)
+        prompt = self._prompts.build(request, turn.messages if turn else None)
         rate = await self._charge(
             tenant, len(prompt.token_ids) + prompt.max_tokens, admission.priority_class
         )
@@ -224,7 +228,11 @@ class ChatService:
             )
             try:
                 await self._queue.enqueue(
-                    job, meta.encode(), meta_ttl_ms=self._settings.log_ttl_s * 1000
+                    job,
+                    meta.encode(),
+                    meta_ttl_ms=self._settings.log_ttl_s * 1000,
+                    prefer=turn.prefer if turn else None,
+                    prefer_ms=self._settings.affinity_wait_ms,
                 )
             except RedisError as exc:
                 raise _queue_unavailable() from exc
@@ -242,7 +250,7 @@ class ChatService:
                 )
                 handed_off = True
                 return StreamingResponse(
-                    self._sse(request_id, fmt, first, chunks, resumable, tracker),
+                    self._sse(request_id, fmt, first, chunks, resumable, tracker, turn),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **rate},
                 )
@@ -250,6 +258,7 @@ class ChatService:
             tracker.finish(chunk_outcome(final))
             if final.error_code is not None:
                 raise from_worker(final.error_code, final.error_message)
+            await self._record(turn, text, final)
             return JSONResponse(
                 completion_body(meta.completion_id, meta.model, meta.created, text, final),
                 headers=rate,
@@ -266,6 +275,30 @@ class ChatService:
         finally:
             if not handed_off:
                 self._inbox.release(request_id)
+
+    async def _persona_turn(
+        self, request: ChatCompletionRequest, tenant: str
+    ) -> PersonaTurn | None:
+        if self._persona is None:
+            return None
+        try:
+            return await self._persona.resolve(
+                request,
+                tenant,
+                self._prompts.requested_max_tokens(request),
+                self._admitter.free_by_worker(),
+            )
+        except RedisError as exc:
+            raise _queue_unavailable() from exc
+
+    async def _record(self, turn: PersonaTurn | None, text: str, final: Chunk) -> None:
+        """Append a completed persona turn to its session (never a failed one)."""
+        if turn is None or final.error_code is not None:
+            return
+        try:
+            await self._persona.completed(turn, text, final.worker_id)  # type: ignore[union-attr]
+        except RedisError as exc:
+            log.warning("could not record the turn", session_id=turn.session_id, error=str(exc))
 
     async def _charge(self, tenant: str, tokens: int, priority: str) -> dict[str, str]:
         """Take the request from the tenant's rate limits; the x-ratelimit headers."""
@@ -307,11 +340,18 @@ class ChatService:
         chunks: AsyncIterator[Chunk],
         resumable: bool,
         tracker: _Tracker,
+        turn: PersonaTurn | None,
     ) -> AsyncIterator[bytes]:
         finished = False
+        parts: list[str] = []
         try:
             chunk = first
             while True:
+                if turn is not None:
+                    parts.append(chunk.text)
+                    if chunk.is_final:
+                        # Before the last event: the client's next turn sees this one.
+                        await self._record(turn, "".join(parts), chunk)
                 yield fmt.render(chunk)
                 if chunk.is_final:
                     finished = True

@@ -38,9 +38,14 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens
 
-    def build(self, request: ChatCompletionRequest) -> Prompt:
-        """Render ``request.messages`` and decide ``max_tokens``; 400 if they cannot fit."""
-        messages = [{"role": _template_role(m.role), "content": m.text()} for m in request.messages]
+    def requested_max_tokens(self, request: ChatCompletionRequest) -> int:
+        """The completion length the request asks for, or the default."""
+        asked = request.max_completion_tokens or request.max_tokens
+        return asked if asked is not None else self._default_max_tokens
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt token ids of ``messages`` (template applied); 400 if it rejects them."""
+        messages = [{"role": _template_role(m["role"]), "content": m["content"]} for m in messages]
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
@@ -48,7 +53,20 @@ class PromptBuilder:
         except Exception as exc:  # the template rejected this conversation
             raise BadRequest(f"cannot render the messages: {exc}", param="messages") from exc
         # The template already placed the special tokens, as vLLM's chat path does.
-        token_ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def count(self, messages: list[dict[str, str]]) -> int:
+        """How many prompt tokens ``messages`` make."""
+        return len(self.encode(messages))
+
+    def build(
+        self, request: ChatCompletionRequest, messages: list[dict[str, str]] | None = None
+    ) -> Prompt:
+        """Render ``messages`` (default: the request's) and decide ``max_tokens``; 400 if
+        they cannot fit."""
+        if messages is None:
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        token_ids = self.encode(messages)
         prompt_len = len(token_ids)
         room = self.max_model_len - prompt_len
         if room < 1:

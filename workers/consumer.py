@@ -204,7 +204,9 @@ class Consumer:
                 if not jobs:
                     # Wake on an enqueue, or when paced batch work may start again.
                     wait_s = self._pacer.wait_s() or 1.0
-                    await self._queue.wait_for_work(self._blocking, timeout_s=min(1.0, wait_s))
+                    await self._queue.wait_for_work(
+                        self._blocking, timeout_s=min(1.0, wait_s), worker_id=self.worker_id
+                    )
                     continue
             except RedisError as exc:
                 log.warning("claim failed", error=str(exc))
@@ -236,8 +238,9 @@ class Consumer:
         handed_back = False
         outcome = "completed"
         try:
-            # A retry already met (or missed) its budget on its first worker: finish it.
-            if job.attempt == 0 and claimed_ms > job.deadline_ms:
+            # A retry, or a reply a stopping replica handed back mid-stream, already met (or
+            # missed) its budget on its first worker: finish it.
+            if job.attempt == 0 and job.resume_seq == 0 and claimed_ms > job.deadline_ms:
                 raise ExpiredJobError(
                     f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
                     "past its latency budget"

@@ -179,3 +179,37 @@ async def test_dead_letter_and_poison(redis: aioredis.Redis, keys: Keys) -> None
     assert await redis.lrange(keys.dead, 0, -1) == [b"\x93not a job"]
     assert not await redis.hexists(keys.jobs, "bad")
     assert (await queue.stats()).claimed == 1
+
+
+async def test_a_preferred_job_waits_for_its_worker_then_anyone(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys, "edf")
+    await queue.enqueue(job("turn", arrival_ms=1, deadline_ms=100), prefer="w1", prefer_ms=300)
+    await queue.enqueue(job("other", arrival_ms=2, deadline_ms=200))
+    # Another worker skips the preferred job but still takes what comes after it.
+    assert [j.id for j in await queue.claim("w2", 10, lease_ms=1000)] == ["other"]
+    await queue.enqueue(job("turn2", arrival_ms=3, deadline_ms=50), prefer="w1", prefer_ms=300)
+    assert [j.id for j in await queue.claim("w1", 10, lease_ms=1000)] == ["turn2", "turn"]
+    assert await redis.hlen(keys.prefer) == 0
+    # A preference lapses: a worker that is gone or busy does not strand the job.
+    await queue.enqueue(job("late", arrival_ms=4, deadline_ms=100), prefer="w9", prefer_ms=100)
+    assert await queue.claim("w2", 10, lease_ms=1000) == []
+    await asyncio.sleep(0.15)
+    assert [j.id for j in await queue.claim("w2", 10, lease_ms=1000)] == ["late"]
+
+
+async def test_a_preferred_worker_is_woken_directly(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys)
+    blocking = connect(redis_url, blocking=True)
+    try:
+        await redis.delete(keys.wake)
+        waiter = asyncio.create_task(queue.wait_for_work(blocking, 5.0, worker_id="w1"))
+        await asyncio.sleep(0.05)
+        await queue.enqueue(job("turn", 1, 100), prefer="w1")
+        assert await asyncio.wait_for(waiter, 2.0)
+        assert await redis.llen(keys.wake_for("w1")) == 0  # w1 took its own token
+    finally:
+        await blocking.aclose()

@@ -194,3 +194,37 @@ def test_keys_command_line(
     assert main(["keys", "revoke", key_id]) == 0
     assert main(["keys", "revoke", key_id]) == 1
     assert main(["keys", "create", "--tenant", "bad name"]) == 2
+
+
+async def test_characters_and_sessions_are_private_to_their_tenant(
+    keyed: Gateway, api_keys: ApiKeys
+) -> None:
+    alice, _ = await api_keys.create("alice2")
+    bob, _ = await api_keys.create("bob2")
+    card = {"name": "Nyx", "description": "a quiet owl", "first_mes": "Hoo."}
+    async with httpx.AsyncClient(base_url=keyed.base_url, timeout=30) as http:
+        char = (await http.post("/v1/characters", json=card, headers=bearer(alice))).json()
+        session = (
+            await http.post(
+                "/v1/sessions", json={"character_id": char["id"]}, headers=bearer(alice)
+            )
+        ).json()
+        as_bob = bearer(bob)
+        turn = {
+            "model": MODEL,
+            "session_id": session["id"],
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        refused = [
+            await http.get(f"/v1/characters/{char['id']}", headers=as_bob),
+            await http.delete(f"/v1/characters/{char['id']}", headers=as_bob),
+            await http.get(f"/v1/sessions/{session['id']}", headers=as_bob),
+            await http.delete(f"/v1/sessions/{session['id']}", headers=as_bob),
+            await http.post("/v1/sessions", json={"character_id": char["id"]}, headers=as_bob),
+            await http.post("/v1/chat/completions", json=turn, headers=as_bob),
+        ]
+        assert [r.status_code for r in refused] == [404] * len(refused)
+        assert (await http.get("/v1/characters", headers=as_bob)).json()["data"] == []
+        # Still there for its owner.
+        mine = await http.get(f"/v1/sessions/{session['id']}", headers=bearer(alice))
+        assert mine.status_code == 200
