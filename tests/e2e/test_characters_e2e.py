@@ -1,0 +1,84 @@
+"""Characters and sessions with the real engine: a card imported as a PNG, then a
+five-turn session whose every reply is generated from the whole conversation so far."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.cards import card_to_png
+from tests.e2e.conftest import Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+CARD = {
+    "spec": "chara_card_v2",
+    "spec_version": "2.0",
+    "data": {
+        "name": "Captain Mira",
+        "description": (
+            "{{char}} captains the airship Kestrel and calls {{user}} 'deckhand'. She grew up "
+            "in the cloud harbours of Vessa, won the Kestrel in a card game against a "
+            "smuggler baron, and has flown her through three wars and a hundred storms. She "
+            "is proud of her crew, keeps a brass compass from her mother, hates cowardice "
+            "and loves terrible jokes. The Kestrel has copper sails, a leaking starboard "
+            "engine and a cat named Biscuit who sleeps on the charts."
+        ),
+        "personality": "bold, teasing, loyal",
+        "scenario": "A storm is coming; {{char}} needs {{user}}'s help on deck.",
+        "first_mes": "There you are, {{user}}! Grab a rope, the storm is close.",
+        "mes_example": "<START>\n{{user}}: Hello\n{{char}}: Ahoy, deckhand!",
+        "system_prompt": "",
+        "post_history_instructions": "Stay in character as {{char}}.",
+        "alternate_greetings": [],
+        "creator_notes": "",
+        "tags": [],
+        "creator": "",
+        "character_version": "1",
+        "extensions": {},
+    },
+}
+
+
+async def test_five_turn_session_uses_its_history(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        created = await http.post(
+            "/v1/characters", files={"file": ("mira.png", card_to_png(CARD), "image/png")}
+        )
+        assert created.status_code == 200, created.text
+        session = (
+            await http.post(
+                "/v1/sessions", json={"character_id": created.json()["id"], "user_name": "Ada"}
+            )
+        ).json()
+        assert session["greeting"].startswith("There you are, Ada!")
+        prompt_tokens: list[int] = []
+        previous_completion = 0
+        replies: list[str] = []
+        for turn in ["Hi captain!", "What should I do?", "Is the ship safe?", "Okay.", "Thanks!"]:
+            resp = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "session_id": session["id"],
+                    "messages": [{"role": "user", "content": turn}],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                },
+            )
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            replies.append(body["choices"][0]["message"]["content"])
+            usage = body["usage"]
+            if prompt_tokens:
+                # This prompt holds the previous prompt, its reply and the new message...
+                assert usage["prompt_tokens"] > prompt_tokens[-1] + previous_completion
+                # ...and vLLM's prefix cache already held the persona and earlier turns.
+                assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+            prompt_tokens.append(usage["prompt_tokens"])
+            previous_completion = usage["completion_tokens"]
+        stored = (await http.get(f"/v1/sessions/{session['id']}")).json()["messages"]
+    assert len(stored) == 11  # the greeting plus five exchanges
+    assert [m["content"] for m in stored[2::2]] == replies
+    assert all(reply.strip() for reply in replies)
