@@ -47,6 +47,9 @@ class Sample:
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
 
     @property
     def tpot_s(self) -> float:
@@ -74,11 +77,15 @@ async def one_request(
     max_tokens: int,
     prompt: str,
     headers: dict[str, str] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Sample:
-    """Send one streaming chat completion and time it."""
+    """Send one streaming chat completion and time it (``messages`` replaces the default
+    system prompt plus ``prompt``; ``extra`` adds body fields)."""
     body = {
         "model": model,
-        "messages": [
+        "messages": messages
+        or [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": prompt},
         ],
@@ -87,7 +94,9 @@ async def one_request(
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
+    parts: list[str] = []
     start = time.perf_counter()
     sample = Sample(ok=False)
     last = start
@@ -106,9 +115,14 @@ async def one_request(
                     sample.error = str(event["error"].get("message"))
                     return sample
                 if event.get("usage"):
-                    sample.output_tokens = int(event["usage"]["completion_tokens"])
+                    usage = event["usage"]
+                    sample.output_tokens = int(usage["completion_tokens"])
+                    sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    sample.cached_tokens = int(details.get("cached_tokens") or 0)
                 for choice in event.get("choices", []):
                     if choice.get("delta", {}).get("content"):
+                        parts.append(choice["delta"]["content"])
                         now = time.perf_counter()
                         if sample.ttft_s == 0.0:
                             sample.ttft_s = now - start
@@ -116,6 +130,7 @@ async def one_request(
                             sample.itl_s.append(now - last)
                         last = now
         sample.e2e_s = time.perf_counter() - start
+        sample.text = "".join(parts)
         sample.ok = sample.ttft_s > 0.0
         if not sample.ok:
             sample.error = "no content"

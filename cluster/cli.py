@@ -163,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     deploy.add_argument("--timeout-s", type=float, default=900.0, help="wait for RUNNING (s)")
     _add_keys_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
-    from cluster import bench_mixed
+    from cluster import bench_mixed, bench_sessions
     from cluster.bench import add_arguments
 
     add_arguments(bench)
     bench_mixed.add_arguments(
         sub.add_parser("bench-mixed", help="interactive chat beside a saturating batch load")
+    )
+    bench_sessions.add_arguments(
+        sub.add_parser("bench-sessions", help="multi-turn sessions, affinity against none")
     )
     args = parser.parse_args(argv)
     settings = Settings()
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_keys(settings, args)
     if args.command == "bench-mixed":
         return bench_mixed.run(args)
+    if args.command == "bench-sessions":
+        return bench_sessions.run(args)
     from cluster.bench import run
 
     return run(args)
