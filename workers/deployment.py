@@ -127,7 +127,22 @@ class WorkerReplica:
         self._engine.shutdown()
 
 
+# Serve force-kills a stopping replica ``graceful_shutdown_timeout_s`` after asking it to
+# stop. Its drain (``drain_timeout_s``), Serve's own wait loop before ``__del__`` and the
+# hand-back of unfinished jobs must fit inside, or scale-down would cut replies off.
+SHUTDOWN_MARGIN_S = 15.0
+
+
+def graceful_shutdown_timeout_s(args: WorkerArgs) -> float:
+    """The shortest graceful-shutdown timeout that lets a replica drain completely."""
+    return args.drain_timeout_s + SHUTDOWN_MARGIN_S
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder named by ``ray-configs/*.yaml``."""
-    WorkerArgs.model_validate(args)  # fail the deploy early on bad args
-    return WorkerReplica.bind(args)  # type: ignore[attr-defined]
+    parsed = WorkerArgs.model_validate(args)  # fail the deploy early on bad args
+    # A deployment option in the Serve config still overrides this.
+    timeout_s = max(60.0, graceful_shutdown_timeout_s(parsed))
+    return WorkerReplica.options(  # type: ignore[attr-defined]
+        graceful_shutdown_timeout_s=timeout_s
+    ).bind(args)

@@ -91,6 +91,19 @@ def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sampling.items() if k in _SAMPLING_FIELDS and v is not None}
 
 
+def _replica_placement_group() -> Any:
+    """The placement group the Serve replica runs in (its ``placement_group_bundles``)."""
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    if group is None:
+        raise RuntimeError(
+            "vLLM's Ray executor needs the replica's placement group: give the deployment "
+            "placement_group_bundles with one GPU bundle per tensor-parallel shard"
+        )
+    return group
+
+
 class VllmEngine:
     """vLLM's ``AsyncLLM`` behind the :class:`Engine` protocol."""
 
@@ -101,7 +114,20 @@ class VllmEngine:
 
         started = time.monotonic()
         self._config = config
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_kwargs(model_path)))
+        engine_args = AsyncEngineArgs(**config.engine_kwargs(model_path))
+        if config.executor_backend() == "ray":
+            # vLLM's engine core runs in a child process, outside the replica's placement
+            # group: hand the group over explicitly, or vLLM would ask Ray for a second
+            # set of GPUs (this is what Ray Serve LLM does too).
+            vllm_config = engine_args.create_engine_config()
+            vllm_config.parallel_config.placement_group = _replica_placement_group()
+            self._llm = AsyncLLM.from_vllm_config(
+                vllm_config,
+                enable_log_requests=engine_args.enable_log_requests,
+                disable_log_stats=engine_args.disable_log_stats,
+            )
+        else:
+            self._llm = AsyncLLM.from_engine_args(engine_args)
         log.info(
             "engine started",
             model=model_path,

@@ -27,12 +27,32 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     dtype: str = "auto"
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs one replica shards the model over. Above 1 the Serve config "
+        "gives each replica a placement group with one GPU bundle per shard.",
+    )
+    distributed_executor_backend: Literal["auto", "ray", "mp", "uni"] = Field(
+        default="auto",
+        description="auto: 'ray' for tensor parallelism on CUDA (vLLM's workers are Ray "
+        "actors in the replica's placement group), vLLM's own choice otherwise.",
+    )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     kv_cache_space_gib: float = Field(
         default=1.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE."
     )
     seed: int = 0
+
+    def executor_backend(self) -> str | None:
+        """vLLM's ``distributed_executor_backend``, or None to let vLLM choose."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        if self.device == "cuda" and self.tensor_parallel_size > 1:
+            # The replica actor holds no GPU itself (its placement group's bundles do), so
+            # vLLM's own default (multiprocessing over local GPUs) would see none.
+            return "ray"
+        return None
 
     def engine_kwargs(self, model_path: str) -> dict[str, Any]:
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
@@ -53,6 +73,9 @@ class EngineConfig(BaseModel):
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        backend = self.executor_backend()
+        if backend is not None:
+            kwargs["distributed_executor_backend"] = backend
         return kwargs
 
     def env(self) -> dict[str, str]:
@@ -95,4 +118,6 @@ class EngineConfig(BaseModel):
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.device == "cuda":
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.distributed_executor_backend != "auto":
+            args += ["--distributed-executor-backend", self.distributed_executor_backend]
         return args

@@ -1,0 +1,149 @@
+"""A two-node Ray cluster on one machine, started the way an operator starts one.
+
+The head node runs ``ray start --head`` and the second node ``ray start --address`` with
+resources of its own. Each node gets its own ``--temp-dir`` and free ports (Ray's fixed
+defaults, such as the dashboard agent's 52365, would clash with the other node and with
+any other Ray on the machine), and a token of its own for Ray's token authentication, so
+nothing here touches ``~/.ray`` or another Ray instance. A node is stopped by killing the
+processes it started, by pid: ``ray stop`` would stop every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from cluster.redis import free_port
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+class RayNode:
+    """One ``ray start --block`` process and everything it spawns."""
+
+    def __init__(self, name: str, env: dict[str, str], num_cpus: int) -> None:
+        self.name = name
+        self._env = env
+        self._num_cpus = num_cpus
+        # Short: Ray's Unix socket paths live under it (108 bytes at most).
+        self.temp_dir = tempfile.mkdtemp(prefix=f"cs{name[-1]}", dir="/tmp")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = Path(self.temp_dir, "ray-start.log")
+
+    def start(self, *, head_port: int | None = None, address: str | None = None) -> None:
+        """Start as the head (``head_port``) or join the head at ``address``."""
+        args = [
+            RAY,
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--num-cpus={self._num_cpus}",
+            f"--resources={json.dumps({self.name: 1})}",
+            f"--temp-dir={self.temp_dir}",
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+        ]
+        if head_port is not None:
+            args += [
+                "--head",
+                f"--port={head_port}",
+                "--include-dashboard=false",
+                f"--dashboard-port={free_port()}",
+                f"--ray-client-server-port={free_port()}",
+            ]
+        else:
+            args.append(f"--address={address}")
+        with self._log.open("wb") as out:
+            self._proc = subprocess.Popen(args, env=self._env, stdout=out, stderr=out)
+
+    def pids(self) -> set[int]:
+        """The pids of this node's processes now (raylet, workers, replicas, ...)."""
+        if self._proc is None:
+            return set()
+        try:
+            root = psutil.Process(self._proc.pid)
+            return {root.pid} | {p.pid for p in root.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            return set()
+
+    @property
+    def alive(self) -> bool:
+        """True while ``ray start`` runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL every process of this node at once (the node fails, it is not
+        drained) and wait until they are gone."""
+        procs = []
+        for pid in self.pids():
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        if self._proc is not None:
+            self._proc.wait(timeout=10)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of ``ray start``'s own output (for failure messages)."""
+        try:
+            return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def remove(self) -> None:
+        """Kill what is left and delete the temp dir."""
+        self.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+class LocalRayCluster:
+    """A head node (resource ``node_a``) and a second node (``node_b``)."""
+
+    def __init__(self, num_cpus: int = 2) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Ray's token authentication, with a token of this cluster's own.
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        self.head = RayNode("node_a", self.env, num_cpus)
+        self.second = RayNode("node_b", self.env, num_cpus)
+
+    def start(self) -> None:
+        """Start both nodes (the second retries until the head answers)."""
+        self.head.start(head_port=self.port)
+        self.second.start(address=self.address)
+
+    def node_of(self, pid: int) -> str | None:
+        """Which node a process belongs to."""
+        for node in (self.head, self.second):
+            if pid in node.pids():
+                return node.name
+        return None
+
+    def stop(self) -> None:
+        """Kill every process of both nodes; remove their files."""
+        self.second.remove()
+        self.head.remove()
