@@ -469,18 +469,29 @@ async def publish_worker_metrics(redis: aioredis.Redis, key: str, text: str, ttl
 
 
 async def run_worker_exporter(
-    redis: aioredis.Redis, key: str, render: Callable[[], str], interval_s: float = 5.0
+    redis: aioredis.Redis,
+    key: str,
+    render: Callable[[], str],
+    interval_s: float = 5.0,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Render and publish every ``interval_s`` (TTL 3x that), until cancelled. Rendering
-    runs in a thread, off the event loop that streams tokens. Failures are logged and
-    retried: metrics never take a worker down."""
-    while True:
+    """Render and publish every ``interval_s`` (TTL 3x that), until ``stop`` is set (or
+    the task is cancelled). Rendering runs in a thread, off the event loop that streams
+    tokens. Failures are logged and retried: metrics never take a worker down.
+
+    Stop it with ``stop`` rather than by cancelling: a Redis command cancelled midway can
+    leave its connection unusable for the client's own close."""
+    stop = stop or asyncio.Event()
+    while not stop.is_set():
         try:
             text = await asyncio.to_thread(render)
             await publish_worker_metrics(redis, key, text, 3 * interval_s)
         except Exception as exc:
             log.warning("metrics export failed", error=str(exc))
-        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except TimeoutError:
+            pass
 
 
 async def read_worker_metrics(

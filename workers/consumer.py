@@ -89,6 +89,8 @@ class Consumer:
         self._batch_running: set[str] = set()
         self._pacer = StartPacer(config.batch_starts_per_s, config.batch_start_burst)
         self._handing_back = False
+        self._lease_lost: set[str] = set()
+        self._stop_metrics = asyncio.Event()
         self._recovery: Recovery | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = False
@@ -141,6 +143,7 @@ class Consumer:
                     self._redis,
                     metrics_key(self._keys, self.worker_id),
                     lambda: render_worker_metrics(self.metrics),
+                    stop=self._stop_metrics,
                 ),
                 name="metrics",
             ),
@@ -166,6 +169,10 @@ class Consumer:
             for task in list(self._running.values()):
                 task.cancel()
             await asyncio.gather(*self._running.values(), return_exceptions=True)
+        self._stop_metrics.set()
+        exporter = [t for t in self._tasks if t.get_name() == "metrics"]
+        if exporter:
+            await asyncio.wait(exporter, timeout=10)
         for task in self._tasks[1:]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -257,7 +264,9 @@ class Consumer:
                 self._publisher.mark(stream)
         except asyncio.CancelledError:
             await self._engine.abort(job.id)
-            if self._handing_back:
+            if job.id in self._lease_lost:
+                outcome = "lease_lost"
+            elif self._handing_back:
                 handed_back, outcome = True, "handed_back"
             else:
                 outcome = "cancelled"
@@ -275,7 +284,10 @@ class Consumer:
             self._batch_running.discard(job.id)
             self._slot_freed.set()
         try:
-            if handed_back:
+            if outcome == "lease_lost":
+                self._lease_lost.discard(job.id)
+                self._publisher.discard(job.id)
+            elif handed_back:
                 await self._hand_back(stream)
             else:
                 await asyncio.wait_for(stream.done.wait(), timeout=30.0)
@@ -394,6 +406,10 @@ class Consumer:
             log.warning("lease lost, abandoning job", request_id=job_id)
             task = self._running.get(job_id)
             if task is not None:
+                # Silently: the job's new owner continues the reply from the log.
+                self._lease_lost.add(job_id)
+                assert self._publisher is not None
+                self._publisher.discard(job_id)
                 task.cancel()
         if not self._stopping:
             for orphan in await self._queue.reclaim_expired(self.worker_id, self._config.lease_ms):

@@ -146,6 +146,13 @@ class Publisher:
             except TimeoutError:
                 break
 
+    def discard(self, request_id: str) -> None:
+        """Drop everything not yet sent for ``request_id``: its job now belongs to another
+        worker, which continues the reply from the log; a late chunk from here would
+        repeat or contradict it."""
+        self._dirty.pop(request_id, None)
+        self._unsent = [(s, c) for s, c in self._unsent if c.request_id != request_id]
+
     def mark(self, stream: RequestStream) -> None:
         """Note that ``stream`` has something to send; wake the flusher if it is due."""
         self._dirty[stream.job.id] = stream

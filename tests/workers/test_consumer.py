@@ -160,6 +160,23 @@ async def test_cancel_aborts_a_running_job(
     assert chunks[-1].completion_tokens < 1000
 
 
+async def test_a_lost_lease_abandons_the_job_silently(
+    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
+) -> None:
+    engine.delay_s = 0.01
+    queue = JobQueue(redis, keys)
+    async with Inbox(redis, keys.inbox("g1")) as inbox:
+        await queue.enqueue(make_job("taken", inbox.channel, max_tokens=1000))
+        await inbox.wait_until(lambda: "taken" in inbox.chunks)
+        # Another worker now holds the lease (ours expired during a partition, say).
+        await redis.hset(keys.owners, "taken", "someone-else")
+        await engine.wait_until(lambda: "taken" in engine.aborted, timeout_s=5)
+        await asyncio.sleep(0.3)  # anything still queued for it would have been sent
+    # The new owner continues the reply from the log: no error, no final chunk from here.
+    assert all(c.error_code is None and not c.is_final for c in inbox.chunks["taken"])
+    assert await redis.hget(keys.owners, "taken") == b"someone-else"
+
+
 async def test_engine_failure_ends_the_job_not_the_worker(
     redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
 ) -> None:
