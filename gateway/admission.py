@@ -35,6 +35,9 @@ class Admission:
     deadline_ms: int
 
 
+MAX_BUDGET_MS = 365 * 86_400_000
+
+
 def admit(
     settings: Settings, arrival_ms: int, priority: str | None, budget: str | None
 ) -> Admission:
@@ -55,9 +58,10 @@ def admit(
             budget_ms = int(budget)
         except ValueError:
             budget_ms = -1
-        if budget_ms <= 0:
+        if not 0 < budget_ms <= MAX_BUDGET_MS:
             raise BadRequest(
-                f"X-Latency-Budget-Ms must be a positive integer, not {budget!r}",
+                f"X-Latency-Budget-Ms must be a positive integer of at most {MAX_BUDGET_MS} "
+                f"(a year), not {budget[:40]!r}",
                 param="X-Latency-Budget-Ms",
             )
     return Admission(cls, arrival_ms, arrival_ms + budget_ms)

@@ -35,11 +35,20 @@ from gateway.characters import CharacterStore, PersonaChat
 from gateway.characters import router as characters_router
 from gateway.chat import ChatService, now_ms
 from gateway.edge import Authenticator, EdgeMiddleware, new_request_id
-from gateway.errors import APIError, BadRequest, error_response
+from gateway.errors import APIError, BadRequest, document_errors, error_response
 from gateway.prompts import PromptBuilder
 from gateway.relay import Inbox
 from gateway.resume import load_meta, parse_last_event_id, replay
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import (
+    CHAT_COMPLETION_EXTRA,
+    CHAT_COMPLETION_RESPONSES,
+    CHAT_EVENTS_EXTRA,
+    CHAT_EVENTS_RESPONSES,
+    HEALTH_RESPONSES,
+    MODELS_RESPONSES,
+    READY_RESPONSES,
+    ChatCompletionRequest,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +73,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         )
     if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
         return BadRequest("the body must be a JSON object", code="invalid_json")
-    param = ".".join(loc) or None
+    param = ".".join(loc) or (first.get("ctx") or {}).get("param") or None
     message = first.get("msg", "invalid request")
     if param:
         message = f"{param}: {message}"
@@ -150,7 +159,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        if code is None and exc.status_code < 500:
+            code = "invalid_request"  # e.g. a body FastAPI cannot parse, a bad multipart form
+        # exc.headers: e.g. the Allow header a 405 must carry.
+        error = APIError(str(exc.detail), code=code, headers=dict(exc.headers or {}))
         error.status = exc.status_code
         error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(error, _request_id(request))
@@ -160,7 +173,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.exception("unhandled error", request_id=_request_id(request))
         return error_response(APIError("internal error"), _request_id(request))
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=CHAT_COMPLETION_RESPONSES,
+        openapi_extra=CHAT_COMPLETION_EXTRA,
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI Chat Completions, streaming (SSE) or not."""
         request_id = _request_id(request)
@@ -176,7 +194,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             body, request_id, admission, _tenant(request), request.receive, resumable
         )
 
-    @app.get("/v1/chat/completions/{completion_id}/events", response_model=None)
+    @app.get(
+        "/v1/chat/completions/{completion_id}/events",
+        response_model=None,
+        response_class=StreamingResponse,
+        responses=CHAT_EVENTS_RESPONSES,
+        openapi_extra=CHAT_EVENTS_EXTRA,
+    )
     async def chat_completion_events(completion_id: str, request: Request) -> Response:
         """Resume a streamed reply: the events after ``Last-Event-ID``, then live."""
         request_id = completion_id.removeprefix("chatcmpl-")
@@ -189,7 +213,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
         """The served model, as OpenAI lists models."""
         return {
@@ -216,12 +240,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body = await asyncio.to_thread(render_all, request.app.state.metrics.registry, texts)
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> dict[str, str]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=READY_RESPONSES)
     async def ready(request: Request) -> JSONResponse:
         """Readiness: Redis answers, the inbox is subscribed, and a worker is claiming."""
         redis = request.app.state.redis
@@ -237,4 +261,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"status": "unavailable", "reason": "no_workers"}, status_code=503)
         return JSONResponse({"status": "ready", "workers": workers})
 
+    document_errors(app)
     return app

@@ -161,7 +161,35 @@ def parse_card_json(raw: bytes | str | Mapping[str, Any]) -> Card:
         doc = copy.deepcopy(raw)
     if not isinstance(doc, dict):
         raise CardError("a character card must be a JSON object")
+    bad = _unencodable(doc, "")
+    if bad is not None:
+        raise CardError(f"{bad or 'the card'} is not valid Unicode text", param=bad or None)
     return _card_from_document(doc)
+
+
+def _unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string UTF-8 cannot encode (a lone surrogate), if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _unencodable(key, where) is not None:
+            return where
+        found = _unencodable(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def parse_card_png(data: bytes) -> Card:

@@ -31,7 +31,17 @@ from cluster.keys import Keys
 from gateway.cards import Card, CardError, parse_card, parse_card_json
 from gateway.errors import APIError, BadRequest, NotFound
 from gateway.persona import PromptTooLong, assemble, render_greeting
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import (
+    CHARACTER_CREATE_EXTRA,
+    CHARACTER_CREATE_RESPONSES,
+    CHARACTER_DELETE_RESPONSES,
+    CHARACTER_LIST_RESPONSES,
+    CHARACTER_RESPONSES,
+    SESSION_CREATE_RESPONSES,
+    SESSION_DELETE_RESPONSES,
+    SESSION_RESPONSES,
+    ChatCompletionRequest,
+)
 
 
 class CardRejected(APIError):
@@ -364,7 +374,11 @@ def router() -> APIRouter:
     def store(request: Request) -> CharacterStore:
         return request.app.state.characters  # type: ignore[no-any-return]
 
-    @api.post("/v1/characters")
+    @api.post(
+        "/v1/characters",
+        responses=CHARACTER_CREATE_RESPONSES,
+        openapi_extra=CHARACTER_CREATE_EXTRA,
+    )
     async def create_character(request: Request) -> dict[str, Any]:
         """Import a card: a JSON body, a PNG body, or a multipart form with ``file``."""
         content_type = request.headers.get("content-type", "")
@@ -384,25 +398,25 @@ def router() -> APIRouter:
         character = await store(request).create_character(request.state.tenant, card)
         return character.body()
 
-    @api.get("/v1/characters")
+    @api.get("/v1/characters", responses=CHARACTER_LIST_RESPONSES)
     async def list_characters(request: Request) -> dict[str, Any]:
         """The tenant's characters."""
         found = await store(request).characters(request.state.tenant)
         return {"object": "list", "data": [c.summary() for c in found]}
 
-    @api.get("/v1/characters/{character_id}")
+    @api.get("/v1/characters/{character_id}", responses=CHARACTER_RESPONSES)
     async def get_character(character_id: str, request: Request) -> dict[str, Any]:
         """One character with its card."""
         return (await store(request).character(request.state.tenant, character_id)).body()
 
-    @api.delete("/v1/characters/{character_id}")
+    @api.delete("/v1/characters/{character_id}", responses=CHARACTER_DELETE_RESPONSES)
     async def delete_character(character_id: str, request: Request) -> dict[str, Any]:
         """Delete a character."""
         if not await store(request).delete_character(request.state.tenant, character_id):
             raise NotFound(f"No character with id {character_id!r}.", code="character_not_found")
         return {"id": character_id, "object": "character.deleted", "deleted": True}
 
-    @api.post("/v1/sessions")
+    @api.post("/v1/sessions", responses=SESSION_CREATE_RESPONSES)
     async def create_session(body: SessionCreate, request: Request) -> dict[str, Any]:
         """Start a conversation; the reply carries the character's greeting."""
         tenant = request.state.tenant
@@ -420,12 +434,12 @@ def router() -> APIRouter:
         session = await characters.create_session(tenant, character, body.user_name, greeting)
         return {**session.body(), "greeting": greeting}
 
-    @api.get("/v1/sessions/{session_id}")
+    @api.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES)
     async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         """A session and its conversation."""
         return (await store(request).session(request.state.tenant, session_id)).body()
 
-    @api.delete("/v1/sessions/{session_id}")
+    @api.delete("/v1/sessions/{session_id}", responses=SESSION_DELETE_RESPONSES)
     async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
         """Delete a session."""
         if not await store(request).delete_session(request.state.tenant, session_id):

@@ -12,6 +12,7 @@ cancels the job: dequeued if it waits, aborted in the engine if it runs.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -74,6 +75,9 @@ async def _race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
     if work.done() and not work.cancelled():
         return work.result()
     raise ClientGone
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 class _Tracker:
@@ -176,7 +180,7 @@ class ChatService:
         if extra.get("logprobs"):
             raise BadRequest("logprobs are not supported", param="logprobs")
         for key in request.logit_bias or {}:
-            if not key.lstrip("-").isdigit():
+            if not _TOKEN_ID.fullmatch(key):
                 raise BadRequest(
                     f"logit_bias keys must be token ids, not {key!r}", param="logit_bias"
                 )

@@ -57,7 +57,8 @@ V2_CARD: dict[str, Any] = {
 @pytest.fixture(scope="module")
 async def duo(redis_url: str, model_path: str) -> AsyncIterator[tuple[Gateway, FakeEngine]]:
     """A gateway with two workers (w-a, w-b), so affinity has a choice to make."""
-    settings = gateway_settings(redis_url, model_path, max_model_len=1024)
+    # A generous freshness window: a loaded CI machine may delay a heartbeat.
+    settings = gateway_settings(redis_url, model_path, max_model_len=1024, heartbeat_ms=1000)
     keys = Keys(settings.namespace)
     engines = [FakeEngine(max_slots=8, delay_s=0.002) for _ in range(2)]
     consumers = [
