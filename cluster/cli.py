@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     deploy.add_argument("--timeout-s", type=float, default=900.0, help="wait for RUNNING (s)")
     _add_keys_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
-    from cluster import bench_mixed, bench_sessions
+    from cluster import backfill, bench_backfill, bench_mixed, bench_sessions
     from cluster.bench import add_arguments
 
     add_arguments(bench)
@@ -172,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench_sessions.add_arguments(
         sub.add_parser("bench-sessions", help="multi-turn sessions, affinity against none")
+    )
+    backfill.add_arguments(
+        sub.add_parser("backfill", help="generate character dialogues through a gateway")
+    )
+    bench_backfill.add_arguments(
+        sub.add_parser(
+            "bench-backfill",
+            help="backfill against vLLM's offline LLM.chat, and interactive TTFT beside it",
+        )
     )
     args = parser.parse_args(argv)
     settings = Settings()
@@ -192,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_mixed.run(args)
     if args.command == "bench-sessions":
         return bench_sessions.run(args)
+    if args.command == "backfill":
+        return backfill.run(args)
+    if args.command == "bench-backfill":
+        return bench_backfill.run(args)
     from cluster.bench import run
 
     return run(args)

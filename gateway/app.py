@@ -30,6 +30,7 @@ from cluster.redis import connect
 from cluster.settings import Settings
 from cluster.tenants import ApiKeys, Limits, RateLimiter
 from gateway.admission import Admitter, admit
+from gateway.batches import install as install_batches
 from gateway.capacity import CapacityView
 from gateway.characters import CharacterStore, PersonaChat
 from gateway.characters import router as characters_router
@@ -147,6 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="charserve", version="0.1.0", lifespan=lifespan)
     app.include_router(characters_router())
+    install_batches(app, settings, keys)  # the Batch API routes and the batch runner
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes)
 
     @app.exception_handler(APIError)

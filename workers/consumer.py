@@ -255,7 +255,10 @@ class Consumer:
             async for out in self._engine.generate(job, priority=job.deadline_ms):
                 if stream.seq == 0 and not stream.pending_ids:
                     stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
-                    self._note_prefill(stream.prefill_ms)
+                    if job.priority_class != "batch":
+                        # Admission estimates latency-bound work: long batch prefills
+                        # (multi-turn backfills) must not make it look infeasible.
+                        self._note_prefill(stream.prefill_ms)
                 stream.add(out)
                 self._tokens_since_beat += len(out.token_ids)
                 self._publisher.mark(stream)

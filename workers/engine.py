@@ -147,8 +147,14 @@ class VllmEngine:
 
         prompt_ids = [*job.prompt_token_ids, *job.resume_token_ids]
         try:
+            kwargs = sampling_kwargs(job.sampling)
+            if self._config.device == "cpu" and kwargs.pop("seed", None) is not None:
+                # vLLM's CPU build kills the whole engine ("CPU Generator does not use
+                # offset") when a seeded request's prefill is chunked: a seed from one
+                # client must not take the replica down, so CPU replicas ignore it.
+                log.debug("seed ignored on the CPU engine", request_id=job.id)
             params = SamplingParams(
-                **sampling_kwargs(job.sampling),
+                **kwargs,
                 max_tokens=job.max_tokens - len(job.resume_token_ids),
                 output_kind=RequestOutputKind.DELTA,
             )
