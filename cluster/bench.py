@@ -139,6 +139,32 @@ async def one_request(
     return sample
 
 
+async def poisson_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    max_tokens: int,
+    rate: float,
+    rng: random.Random,
+    headers: dict[str, str],
+    stop: asyncio.Event,
+) -> list[Sample]:
+    """An open-loop stream: requests at Poisson arrivals of ``rate`` per second, each
+    sent without waiting for earlier ones, until ``stop`` is set; then every sample."""
+    tasks: list[asyncio.Task[Sample]] = []
+    while not stop.is_set():
+        tasks.append(
+            asyncio.create_task(
+                one_request(client, url, model, max_tokens, rng.choice(USER_PROMPTS), headers)
+            )
+        )
+        try:
+            await asyncio.wait_for(stop.wait(), rng.expovariate(rate))
+        except TimeoutError:
+            pass
+    return list(await asyncio.gather(*tasks))
+
+
 async def run_round(
     url: str,
     model: str,

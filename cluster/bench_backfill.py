@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from cluster.backfill import Options, backfill, parse_spec, plan_dialogue
-from cluster.bench import USER_PROMPTS, Sample, one_request, percentile
+from cluster.bench import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
 from cluster.redis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,29 +190,18 @@ async def interactive_until(
     url: str, args: argparse.Namespace, stop: asyncio.Event, seed: int
 ) -> list[Sample]:
     """An open-loop interactive stream until ``stop`` is set."""
-    rng = random.Random(seed)
-    headers = {"X-Priority": "interactive"}
-    tasks: list[asyncio.Task[Sample]] = []
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-        while not stop.is_set():
-            tasks.append(
-                asyncio.create_task(
-                    one_request(
-                        client,
-                        url,
-                        args.model,
-                        args.interactive_max_tokens,
-                        rng.choice(USER_PROMPTS),
-                        headers,
-                    )
-                )
-            )
-            try:
-                await asyncio.wait_for(stop.wait(), rng.expovariate(args.rate))
-            except TimeoutError:
-                pass
-        return list(await asyncio.gather(*tasks))
+        return await poisson_stream(
+            client,
+            url,
+            args.model,
+            args.interactive_max_tokens,
+            args.rate,
+            random.Random(seed),
+            {"X-Priority": "interactive"},
+            stop,
+        )
 
 
 def ttft_summary(samples: list[Sample]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from cluster.bench import USER_PROMPTS, Sample, one_request, percentile
+from cluster.bench import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
 
 
 async def _phase(
@@ -58,22 +58,20 @@ async def _phase(
                 )
 
         async def interactive_stream() -> None:
-            tasks = []
-            while time.perf_counter() < stop_at:
-                tasks.append(
-                    asyncio.create_task(
-                        one_request(
-                            client,
-                            url,
-                            args.model,
-                            args.interactive_max_tokens,
-                            rng.choice(USER_PROMPTS),
-                            inter_headers,
-                        )
-                    )
+            stop = asyncio.Event()
+            asyncio.get_running_loop().call_later(args.duration, stop.set)
+            inter_samples.extend(
+                await poisson_stream(
+                    client,
+                    url,
+                    args.model,
+                    args.interactive_max_tokens,
+                    args.rate,
+                    rng,
+                    inter_headers,
+                    stop,
                 )
-                await asyncio.sleep(rng.expovariate(args.rate))
-            inter_samples.extend(await asyncio.gather(*tasks))
+            )
 
         jobs = []
         if batch:

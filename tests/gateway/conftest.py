@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from cluster.keys import Keys
 from cluster.redis import free_port
@@ -32,11 +33,12 @@ class Gateway:
 
 
 @asynccontextmanager
-async def serve_gateway(settings: Settings) -> AsyncIterator[str]:
-    """Serve the gateway app with real uvicorn on ``settings.port``; yield its base URL."""
+async def serve_gateway(settings: Settings, app: FastAPI | None = None) -> AsyncIterator[str]:
+    """Serve ``app`` (default: the gateway app for ``settings``) with real uvicorn on
+    ``settings.port``; yield its base URL."""
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(settings),
+            app or create_app(settings),
             host="127.0.0.1",
             port=settings.port,
             log_config=None,

@@ -4,7 +4,6 @@ refused lines, gateway restarts and several gateways sharing one batch."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +15,6 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
-import uvicorn
 from fastapi import FastAPI
 
 from cluster.keys import Keys
@@ -28,7 +26,7 @@ from gateway.batch_runner import BatchRunner, parse_input
 from gateway.batch_store import BatchConfig, BatchKeys
 from gateway.batches import install
 from tests.fakes import FakeEngine
-from tests.gateway.conftest import gateway_settings
+from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
 from workers.consumer import Consumer, ConsumerConfig
 
@@ -64,20 +62,8 @@ async def batch_gateway(
     """A gateway with the Batch API installed, served by real uvicorn."""
     app = create_app(settings)
     install(app, settings, Keys(settings.namespace), config)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_config=None, access_log=False)
-    )
-    task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(60):
-        while not server.started:  # uvicorn offers no event for this
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{settings.port}", app
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_gateway(settings, app) as base_url:
+        yield base_url, app
 
 
 @asynccontextmanager
