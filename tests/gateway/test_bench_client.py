@@ -1,0 +1,34 @@
+"""The benchmark's load generator against a real gateway: it measures what it claims."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from cluster.bench import one_request, poisson_stream
+from tests.gateway.conftest import Gateway
+
+MODEL = "smollm2-135m-instruct"
+
+
+async def test_one_request_measures_a_stream(gateway: Gateway) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        sample = await one_request(client, gateway.base_url, MODEL, 6, "hello")
+    assert sample.ok, sample.error
+    assert sample.output_tokens == 6 and sample.text == "".join(f" t{i}" for i in range(6))
+    assert 0 < sample.ttft_s <= sample.e2e_s and len(sample.itl_s) == 5
+    assert sample.prompt_tokens > 0
+
+
+async def test_poisson_stream_sends_until_stopped(gateway: Gateway) -> None:
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=30) as client:
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        samples = await poisson_stream(
+            client, gateway.base_url, MODEL, 3, 40.0, random.Random(1), {}, stop
+        )
+    # 40/s for 0.5 s: about 20 arrivals; all answered, none lost.
+    assert 5 <= len(samples) <= 60
+    assert all(s.ok for s in samples), [s.error for s in samples if not s.ok]
