@@ -90,7 +90,10 @@ class Consumer:
         self._pacer = StartPacer(config.batch_starts_per_s, config.batch_start_burst)
         self._handing_back = False
         self._lease_lost: set[str] = set()
-        self._stop_metrics = asyncio.Event()
+        # Set by close(): the background loops finish their current Redis command and
+        # stop, rather than being cancelled in the middle of one (a command cancelled
+        # midway can leave its connection unusable, and the client's close then hangs).
+        self._closing = asyncio.Event()
         self._recovery: Recovery | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = False
@@ -143,7 +146,7 @@ class Consumer:
                     self._redis,
                     metrics_key(self._keys, self.worker_id),
                     lambda: render_worker_metrics(self.metrics),
-                    stop=self._stop_metrics,
+                    stop=self._closing,
                 ),
                 name="metrics",
             ),
@@ -169,10 +172,9 @@ class Consumer:
             for task in list(self._running.values()):
                 task.cancel()
             await asyncio.gather(*self._running.values(), return_exceptions=True)
-        self._stop_metrics.set()
-        exporter = [t for t in self._tasks if t.get_name() == "metrics"]
-        if exporter:
-            await asyncio.wait(exporter, timeout=10)
+        self._closing.set()
+        if self._tasks[1:]:
+            await asyncio.wait(self._tasks[1:], timeout=10)
         for task in self._tasks[1:]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -180,12 +182,15 @@ class Consumer:
             await self._publisher.close()
         if self._redis is not None:
             try:
-                await self._redis.zrem(self._keys.workers, self.worker_id)
-            except RedisError:
+                await asyncio.wait_for(self._redis.zrem(self._keys.workers, self.worker_id), 5)
+            except (RedisError, TimeoutError):
                 pass
-            await self._redis.aclose()
-        if self._blocking is not None:
-            await self._blocking.aclose()
+        for client in (self._redis, self._blocking):
+            if client is not None:
+                try:
+                    await asyncio.wait_for(client.aclose(), 5)
+                except TimeoutError:
+                    log.warning("a Redis client did not close in time")
         log.info("consumer stopped", worker_id=self.worker_id)
 
     # -- claiming -------------------------------------------------------------------
@@ -348,7 +353,7 @@ class Consumer:
     # -- control and heartbeat ------------------------------------------------------
 
     async def _control_loop(self, pubsub: aioredis.client.PubSub) -> None:
-        while True:
+        while not self._closing.is_set():
             try:
                 message = await pubsub.get_message(timeout=1.0)
             except RedisError as exc:
@@ -366,11 +371,19 @@ class Consumer:
             if task is not None:
                 log.info("cancelling", request_id=cancel.request_id, reason=cancel.reason)
                 task.cancel()
+        try:
+            await asyncio.wait_for(pubsub.aclose(), 5)
+        except (RedisError, TimeoutError):
+            pass
 
     async def _heartbeat_loop(self) -> None:
         period_s = min(self._config.heartbeat_ms, self._config.lease_ms // 3) / 1000.0
         while True:
-            await asyncio.sleep(period_s)
+            try:
+                await asyncio.wait_for(self._closing.wait(), period_s)
+                return
+            except TimeoutError:
+                pass
             try:
                 await self._beat()
             except RedisError as exc:
