@@ -413,7 +413,9 @@ class Consumer:
             pipe.set(
                 self._keys.worker_stats(self.worker_id),
                 protocol.encode(stats),
-                px=self._config.heartbeat_ms * 3,
+                # Gateways judge freshness by the heartbeat score; the stats only need to
+                # outlive a late beat (a loaded machine delays short periods the most).
+                px=max(self._config.heartbeat_ms * 3, 3000),
             )
             await pipe.execute()
         lost = await self._queue.renew(self.worker_id, list(self._running), self._config.lease_ms)
