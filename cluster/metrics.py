@@ -211,7 +211,7 @@ class RequestTimer:
     client (the first gives TTFT and queue wait, later ones the inter-chunk gap) and
     :meth:`finish` once at the end (idempotent)."""
 
-    __slots__ = ("_done", "_last", "_metrics", "_priority", "_start")
+    __slots__ = ("_done", "_last", "_metrics", "_priority", "_start", "ttft_s")
 
     def __init__(self, metrics: GatewayMetrics, priority: str, arrival_ms: int) -> None:
         self._metrics = metrics
@@ -220,36 +220,42 @@ class RequestTimer:
         self._start = time.perf_counter() - max(0.0, time.time() - arrival_ms / 1000.0)
         self._last: float | None = None
         self._done = False
+        self.ttft_s: float | None = None
 
-    def on_chunk(self, chunk: Chunk, received_s: float | None = None) -> None:
-        """Note ``chunk`` being written now. ``received_s`` (``time.perf_counter()`` when
-        the inbox received it) gives the relay lag when the chunk carries no ``sent_ms``
-        (the worker's wall-clock publication time)."""
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since the request arrived."""
+        return time.perf_counter() - self._start
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        """Note ``chunk`` being written now; its ``sent_ms`` (the worker's wall-clock
+        publication time) gives the relay lag."""
         now = time.perf_counter()
         m, p = self._metrics, self._priority
-        sent_ms: float = getattr(chunk, "sent_ms", 0.0)
-        if sent_ms > 0:
-            m.relay_lag.observe(max(0.0, time.time() - sent_ms / 1000.0))
-        elif received_s is not None:
-            m.relay_lag.observe(max(0.0, now - received_s))
+        if chunk.sent_ms > 0:
+            m.relay_lag.observe(max(0.0, time.time() - chunk.sent_ms / 1000.0))
         if self._last is None:
             if chunk.error_code in (None, "expired"):
                 m.queue_wait[p].observe(max(0.0, chunk.queue_ms / 1000.0))
             if chunk.error_code is None:
-                m.ttft[p].observe(now - self._start)
+                self.ttft_s = now - self._start
+                m.ttft[p].observe(self.ttft_s)
             self._last = now
         elif chunk.token_ids or chunk.text:
             m.itl[p].observe(now - self._last)
             self._last = now
 
-    def finish(self, outcome: str) -> None:
+    def finish(self, outcome: str) -> bool:
         """Count the request's outcome (see :data:`OUTCOMES`; :func:`chunk_outcome` maps
-        a final chunk); a completed request also gives its end-to-end latency."""
+        a final chunk); a completed request also gives its end-to-end latency. False if
+        it was already finished (later calls do nothing)."""
         if self._done:
-            return
+            return False
         self._done = True
-        e2e = time.perf_counter() - self._start if outcome == "completed" else None
-        self._metrics.finished(self._priority, outcome, e2e)
+        self._metrics.finished(
+            self._priority, outcome, self.elapsed_s if outcome == "completed" else None
+        )
+        return True
 
 
 def chunk_outcome(chunk: Chunk) -> str:

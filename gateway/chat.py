@@ -94,28 +94,28 @@ class _Tracker:
             "stream": stream,
             "prompt_tokens": len(job.prompt_token_ids),
         }
-        self._arrival_ms = job.arrival_ms
-        self._done = False
+        self._first: Chunk | None = None
+        self._last: Chunk | None = None
 
     def chunk(self, chunk: Chunk) -> None:
         """Note a chunk written to (or collected for) the client."""
         self._timer.on_chunk(chunk)
-        if "ttft_ms" not in self._fields:
-            self._fields["ttft_ms"] = round(now_ms() - self._arrival_ms, 1)
-            self._fields["queue_ms"] = round(chunk.queue_ms, 1)
-            self._fields["worker_id"] = chunk.worker_id
-        self._fields["completion_tokens"] = chunk.completion_tokens
+        self._first = self._first or chunk
+        self._last = chunk
 
     def finish(self, outcome: str) -> None:
         """Record the outcome (idempotent)."""
-        if self._done:
+        if not self._timer.finish(outcome):
             return
-        self._done = True
-        self._timer.finish(outcome)
+        ttft = self._timer.ttft_s
         log.info(
             "request finished",
             outcome=outcome,
-            e2e_ms=round(now_ms() - self._arrival_ms, 1),
+            e2e_ms=round(self._timer.elapsed_s * 1000, 1),
+            ttft_ms=round(ttft * 1000, 1) if ttft is not None else None,
+            queue_ms=round(self._first.queue_ms, 1) if self._first else None,
+            worker_id=self._first.worker_id if self._first else None,
+            completion_tokens=self._last.completion_tokens if self._last else 0,
             **self._fields,
         )
 

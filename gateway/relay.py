@@ -19,7 +19,7 @@ its data) ends its stream with a ``lost`` error, so no accepted request waits fo
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -52,10 +52,10 @@ class ReplyStream:
         self._overflowed = False
         self._next_seq = 1
         self.enqueued = False
-        self.last_delivery_s = time.monotonic()
+        # The watchdog's last look at _next_seq: unchanged since then means quiet.
+        self.watched_seq = 0
 
     def _deliver(self, chunk: Chunk) -> None:
-        self.last_delivery_s = time.monotonic()
         try:
             self._queue.put_nowait(chunk)
         except asyncio.QueueFull:
@@ -74,16 +74,7 @@ class ReplyStream:
                 raise SlowConsumer(f"the client fell more than {self._queue.maxsize} chunks behind")
             chunk = await asyncio.wait_for(self._queue.get(), idle_timeout_s)
             if chunk.seq == LOST_SEQ:
-                yield Chunk(
-                    self.request_id,
-                    self._next_seq,
-                    "",
-                    0,
-                    0,
-                    finish_reason="error",
-                    error_code="lost",
-                    error_message=chunk.error_message,
-                )
+                yield dataclasses.replace(chunk, seq=self._next_seq)
                 return
             if chunk.seq < self._next_seq:
                 continue  # already delivered from the log
@@ -210,11 +201,15 @@ class Inbox:
             await self._reconcile_safely(list(self._streams.values()))
 
     async def _watch(self) -> None:
-        """Every ``watchdog_s``, reconcile the streams that have gone quiet that long."""
+        """Every ``watchdog_s``, reconcile the streams that made no progress since the
+        last look (the token path itself keeps no timestamps for this)."""
         while True:
             await asyncio.sleep(self._watchdog_s)
-            quiet_since = time.monotonic() - self._watchdog_s
-            quiet = [s for s in self._streams.values() if s.last_delivery_s < quiet_since]
+            quiet = []
+            for stream in self._streams.values():
+                if stream._next_seq == stream.watched_seq:
+                    quiet.append(stream)
+                stream.watched_seq = stream._next_seq
             if quiet and self.subscribed.is_set():
                 await self._reconcile_safely(quiet)
 
@@ -238,13 +233,11 @@ class Inbox:
             replies = await pipe.execute()
         for i, stream in enumerate(streams):
             exists, last = replies[2 * i], replies[2 * i + 1]
-            last_seq = protocol.decode_as(last[0][1][LOG_FIELD], Chunk).seq if last else 0
-            final = False
-            if last_seq >= stream._next_seq:
+            newest = protocol.decode_as(last[0][1][LOG_FIELD], Chunk) if last else None
+            if newest is not None and newest.seq >= stream._next_seq:
                 for chunk in await self.read_log(stream.request_id, stream._next_seq):
                     stream._deliver(chunk)
-                    final = final or chunk.is_final
-            if not exists and not final and (last_seq == 0 or not _is_final(last)):
+            if not exists and (newest is None or not newest.is_final):
                 log.warning("request lost", request_id=stream.request_id)
                 stream._deliver(
                     Chunk(
@@ -259,7 +252,3 @@ class Inbox:
                         "its data); retry it",
                     )
                 )
-
-
-def _is_final(last: list[tuple[bytes, dict[bytes, bytes]]]) -> bool:
-    return protocol.decode_as(last[0][1][LOG_FIELD], Chunk).is_final

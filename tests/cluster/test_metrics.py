@@ -105,7 +105,7 @@ def test_request_timer_observes_each_histogram_once() -> None:
     m = GatewayMetrics()
     timer = m.request("interactive", time.time_ns() // 1_000_000 - 200)
     timer.on_chunk(chunk(1, queue_ms=40.0))
-    timer.on_chunk(chunk(2), received_s=time.perf_counter() - 0.01)
+    timer.on_chunk(chunk(2, sent_ms=time.time() * 1000 - 10))
     timer.on_chunk(chunk(3, text="", finish_reason="stop"))  # empty final: no ITL
     timer.finish(chunk_outcome(chunk(3, text="", finish_reason="stop")))
     timer.finish("error")  # idempotent
