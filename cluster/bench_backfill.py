@@ -31,9 +31,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +38,7 @@ import httpx
 
 from cluster.backfill import Options, backfill, parse_spec, plan_dialogue
 from cluster.bench import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
+from cluster.local import wait_ready
 from cluster.redis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,18 +155,7 @@ class Stack:
 
     def wait_ready(self, timeout_s: float = 900) -> None:
         """Block until ``/ready`` answers 200."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"charserve up exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise TimeoutError("charserve up did not become ready")
+        wait_ready(f"{self.base_url}/ready", self.proc, timeout_s)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to the whole session if it lingers."""

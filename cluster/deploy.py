@@ -100,8 +100,6 @@ def prepare_config(path: str | Path, settings: Settings) -> dict[str, Any]:
     config = load_serve_config(path, settings.redis_url or "", settings.model)
     for app in config.get("applications", []):
         args = app["args"]
-        if not args.get("redis_url") and settings.redis_url:
-            args["redis_url"] = settings.redis_url  # the file said `redis_url: null`
         if not args.get("redis_url"):
             raise DeployError(
                 f"application {app.get('name')!r} has no Redis: set CHARSERVE_REDIS_URL "

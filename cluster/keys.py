@@ -68,6 +68,10 @@ class Keys:
         """Latest encoded WorkerStats of one worker (expires with its heartbeat)."""
         return f"{self.namespace}:worker:{worker_id}"
 
+    def worker_metrics(self, worker_id: str) -> str:
+        """A worker's exported Prometheus text (expires unless refreshed)."""
+        return f"{self.namespace}:metrics:{worker_id}"
+
     def inbox(self, gateway_id: str) -> str:
         """Pub/sub channel a gateway process receives every chunk of its requests on."""
         return f"{self.namespace}:inbox:{gateway_id}"

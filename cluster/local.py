@@ -42,7 +42,8 @@ def load_serve_config(path: str | Path, redis_url: str, model: str | None) -> di
     config: dict[str, Any] = yaml.safe_load(Path(path).read_text())
     for app in config.get("applications", []):
         args = app.setdefault("args", {})
-        args.setdefault("redis_url", redis_url)
+        if not args.get("redis_url"):  # absent or an explicit null
+            args["redis_url"] = redis_url
         engine = args.setdefault("engine", {})
         if model and not engine.get("model"):
             engine["model"] = model

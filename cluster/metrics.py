@@ -464,11 +464,6 @@ def render_all(gateway_registry: CollectorRegistry, worker_texts: dict[str, str]
 # -- transport through Redis ----------------------------------------------------------
 
 
-def metrics_key(keys: Keys, worker_id: str) -> str:
-    """Where a worker's exposition text lives (expires with ``ttl``)."""
-    return f"{keys.namespace}:metrics:{worker_id}"
-
-
 async def publish_worker_metrics(redis: aioredis.Redis, key: str, text: str, ttl_s: float) -> None:
     """Store a worker's exposition text for the gateways, expiring after ``ttl_s``."""
     await redis.set(key, text.encode(), px=max(1, int(ttl_s * 1000)))
@@ -510,7 +505,7 @@ async def read_worker_metrics(
     ids = [i.decode() if isinstance(i, bytes) else str(i) for i in raw_ids]
     if not ids:
         return {}
-    texts = await redis.mget([metrics_key(keys, i) for i in ids])
+    texts = await redis.mget([keys.worker_metrics(i) for i in ids])
     return {
         i: t.decode() if isinstance(t, bytes) else str(t)
         for i, t in zip(ids, texts, strict=True)

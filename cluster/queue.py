@@ -61,13 +61,14 @@ return 1
 """
 
 # Lease times come from Redis's own clock, so workers with skewed clocks agree on expiry.
-_NOW_MS = """
+# Shared by every Lua script that needs the time (the queue's and the batch store's).
+NOW_MS_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 _CLAIM = (
-    _NOW_MS
+    NOW_MS_LUA
     + """
 local expiry = now + tonumber(ARGV[3])
 local want = tonumber(ARGV[2])
@@ -118,7 +119,7 @@ return 1
 """
 
 _RECLAIM = (
-    _NOW_MS
+    NOW_MS_LUA
     + """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
 local out = {}
@@ -156,7 +157,7 @@ return 1
 """
 
 _RENEW = (
-    _NOW_MS
+    NOW_MS_LUA
     + """
 local expiry = now + tonumber(ARGV[2])
 local lost = {}

@@ -44,11 +44,11 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.keys import Keys
+from cluster.queue import NOW_MS_LUA
 
 ENDPOINT: Final = "/v1/chat/completions"
 COMPLETION_WINDOW: Final = "24h"
 WINDOW_S: Final = 24 * 3600
-ACTIVE_STATUSES: Final = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL_STATUSES: Final = ("failed", "completed", "expired", "cancelled")
 Status = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
@@ -244,11 +244,6 @@ class BatchState:
             errors=json.loads(fields["errors"]) if fields.get("errors") else None,
         )
 
-    @property
-    def final(self) -> bool:
-        """True once nothing more will happen to the batch."""
-        return self.status in FINAL_STATUSES
-
     def body(self) -> dict[str, Any]:
         """The OpenAI batch object."""
         return {
@@ -292,10 +287,10 @@ return 1
 # whose lease expired (their previous job id is returned so it can be cancelled), then lines
 # never claimed (from the cursor). KEYS: obj, results, leases, owners. ARGV: want, cap,
 # lease_ms, job id prefix. Returns a flat list: index, job id, previous job id ('' if none).
-_CLAIM = """
+_CLAIM = (
+    NOW_MS_LUA
+    + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return {} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local until_ms = now + tonumber(ARGV[3])
 local room = math.min(tonumber(ARGV[1]),
                       tonumber(ARGV[2]) - redis.call('ZCOUNT', KEYS[3], now, '+inf'))
@@ -339,12 +334,14 @@ while room > 0 and scanned < 10000 do
 end
 return out
 """
+)
 
 # Extend the leases of lines this process still owns. KEYS: owners, leases. ARGV: lease_ms,
 # then index, job id pairs. Returns the indexes no longer owned (taken over elsewhere).
-_RENEW = """
-local t = redis.call('TIME')
-local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+_RENEW = (
+    NOW_MS_LUA
+    + """
+local until_ms = now + tonumber(ARGV[1])
 local lost = {}
 for i = 2, #ARGV, 2 do
   if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
@@ -355,6 +352,7 @@ for i = 2, #ARGV, 2 do
 end
 return lost
 """
+)
 
 # Change the job running a line (a retry) or give the line up (new job id ''), only while
 # this process owns it. A line given up keeps a lease that expired long ago, so the next
@@ -659,7 +657,9 @@ class BatchStore:
 
     async def live_leases(self, tenant: str, batch_id: str) -> int:
         """Lines leased and not yet expired."""
-        now_ms = time.time_ns() // 1_000_000
+        # Lease scores are Redis time: compare with Redis's clock, not this process's.
+        seconds, micros = await self._redis.time()
+        now_ms = seconds * 1000 + micros // 1000
         return int(await self._redis.zcount(self.keys.leases(tenant, batch_id), now_ms, "+inf"))
 
     async def result_count(self, tenant: str, batch_id: str) -> int:

@@ -35,6 +35,7 @@ from gateway.batch_store import (
     ENDPOINT,
     BatchConfig,
     BatchStore,
+    Status,
 )
 from gateway.errors import (
     APIError,
@@ -145,10 +146,7 @@ class Batch(BaseModel):
     errors: BatchErrors | None
     input_file_id: str
     completion_window: str
-    status: Literal[
-        "validating", "failed", "in_progress", "finalizing", "completed", "expired",
-        "cancelling", "cancelled",
-    ]  # fmt: skip
+    status: Status
     output_file_id: str | None
     error_file_id: str | None
     created_at: int

@@ -19,6 +19,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from cluster.metrics import DROP_REASONS
+
 
 class APIError(Exception):
     """An error answered to the client."""
@@ -183,7 +185,7 @@ _DROP_REASON = {
     "description": "Why the request was refused at the door.",
     "schema": {
         "type": "string",
-        "enum": ["budget", "queue_full", "no_workers", "expired", "rate_limited"],
+        "enum": list(DROP_REASONS),
     },
 }
 _RATE_LIMIT_HEADERS = {

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from cluster import protocol
 from cluster.keys import Keys
-from cluster.metrics import WorkerMetrics, metrics_key, render_worker_metrics, run_worker_exporter
+from cluster.metrics import WorkerMetrics, render_worker_metrics, run_worker_exporter
 from cluster.protocol import Cancel, Job, WorkerStats
 from cluster.queue import JobQueue, Poison, QueuePolicy
 from cluster.redis import connect
@@ -144,7 +144,7 @@ class Consumer:
             asyncio.create_task(
                 run_worker_exporter(
                     self._redis,
-                    metrics_key(self._keys, self.worker_id),
+                    self._keys.worker_metrics(self.worker_id),
                     lambda: render_worker_metrics(self.metrics),
                     stop=self._closing,
                 ),

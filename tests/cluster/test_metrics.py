@@ -20,7 +20,6 @@ from cluster.metrics import (
     GatewayMetrics,
     WorkerMetrics,
     chunk_outcome,
-    metrics_key,
     publish_worker_metrics,
     read_worker_metrics,
     render_all,
@@ -224,25 +223,25 @@ def test_merge_repairs_parser_quirks_and_skips_bad_replicas() -> None:
 async def test_worker_texts_travel_through_redis(redis: aioredis.Redis, keys: Keys) -> None:
     now = time.time_ns() // 1_000_000
     await redis.zadd(keys.workers, {"live": now, "silent": now, "gone": now - 600_000})
-    await publish_worker_metrics(redis, metrics_key(keys, "live"), "a 1\n", ttl_s=5)
-    await publish_worker_metrics(redis, metrics_key(keys, "gone"), "b 1\n", ttl_s=5)
-    assert 0 < await redis.pttl(metrics_key(keys, "live")) <= 5000
+    await publish_worker_metrics(redis, keys.worker_metrics("live"), "a 1\n", ttl_s=5)
+    await publish_worker_metrics(redis, keys.worker_metrics("gone"), "b 1\n", ttl_s=5)
+    assert 0 < await redis.pttl(keys.worker_metrics("live")) <= 5000
     assert await read_worker_metrics(redis, keys) == {"live": "a 1\n"}
 
     worker = WorkerMetrics()
     worker.claimed("batch")
     task = asyncio.create_task(
         run_worker_exporter(
-            redis, metrics_key(keys, "silent"), lambda: render_worker_metrics(worker), 0.05
+            redis, keys.worker_metrics("silent"), lambda: render_worker_metrics(worker), 0.05
         )
     )
     try:
         for _ in range(100):
-            if await redis.exists(metrics_key(keys, "silent")):
+            if await redis.exists(keys.worker_metrics("silent")):
                 break
             await asyncio.sleep(0.02)
         texts = await read_worker_metrics(redis, keys)
-        assert 0 < await redis.pttl(metrics_key(keys, "silent")) <= 150
+        assert 0 < await redis.pttl(keys.worker_metrics("silent")) <= 150
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
