@@ -27,7 +27,7 @@ from cluster.metrics import WorkerMetrics, render_worker_metrics, run_worker_exp
 from cluster.protocol import Cancel, Job, WorkerStats
 from cluster.queue import JobQueue, Poison, QueuePolicy
 from cluster.redis import connect
-from workers.engine import Engine
+from workers.engine import Engine, engine_priority
 from workers.errors import ExpiredJobError, JobError
 from workers.pacing import StartPacer
 from workers.publisher import Publisher, RequestStream
@@ -257,7 +257,7 @@ class Consumer:
                     f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
                     "past its latency budget"
                 )
-            async for out in self._engine.generate(job, priority=job.deadline_ms):
+            async for out in self._engine.generate(job, priority=engine_priority(job)):
                 if stream.seq == 0 and not stream.pending_ids:
                     stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
                     if job.priority_class != "batch":

@@ -23,6 +23,18 @@ from workers.errors import InvalidJobError
 
 log = structlog.get_logger(__name__)
 
+# vLLM priorities at or above this are batch work (2**50 ms is ~35,000 years past any
+# deadline); see workers/scheduling.py.
+BATCH_PRIORITY_BASE = 1 << 50
+
+
+def engine_priority(job: Job) -> int:
+    """vLLM priority of a job (lower runs first): its deadline in ms, EDF order, shifted
+    past every latency-bound request if it is batch work."""
+    if job.priority_class == "batch":
+        return job.deadline_ms + BATCH_PRIORITY_BASE
+    return job.deadline_ms
+
 
 @dataclass(frozen=True, slots=True)
 class EngineOutput:
@@ -114,7 +126,7 @@ class VllmEngine:
 
         started = time.monotonic()
         self._config = config
-        engine_args = AsyncEngineArgs(**config.engine_kwargs(model_path))
+        engine_args = AsyncEngineArgs(**config.engine_kwargs(model_path, charserve_scheduler=True))
         if config.executor_backend() == "ray":
             # vLLM's engine core runs in a child process, outside the replica's placement
             # group: hand the group over explicitly, or vLLM would ask Ray for a second

@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
         default=1.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE."
     )
     seed: int = 0
+    latency_first_steps: bool = Field(
+        default=True,
+        description="Run an interactive prefill in a step without batch work "
+        "(workers/scheduling.py). Off: vLLM's own priority scheduler.",
+    )
 
     def executor_backend(self) -> str | None:
         """vLLM's ``distributed_executor_backend``, or None to let vLLM choose."""
@@ -54,8 +59,14 @@ class EngineConfig(BaseModel):
             return "ray"
         return None
 
-    def engine_kwargs(self, model_path: str) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
+    def engine_kwargs(
+        self, model_path: str, *, charserve_scheduler: bool = False
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``.
+
+        ``charserve_scheduler`` adds the latency-first scheduler (if enabled): the workers
+        ask for it; references that stand for bare vLLM do not.
+        """
         kwargs: dict[str, Any] = {
             "model": model_path,
             "served_model_name": [self.served_model_name],
@@ -71,6 +82,10 @@ class EngineConfig(BaseModel):
         }
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if charserve_scheduler and self.latency_first_steps:
+            # One hook for both paths: it picks vLLM's synchronous or asynchronous
+            # scheduler as vLLM resolved it (synchronous on the CPU).
+            kwargs["scheduler_cls"] = "workers.scheduling.latency_first_scheduler"
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         backend = self.executor_backend()

@@ -1,0 +1,160 @@
+"""The latency-first scheduler, driven step by step as vLLM's engine core drives it.
+
+vLLM's real scheduler and KV cache manager run here (no model: each step's output is
+written by the test), so these tests check what the engine would batch in each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from workers.engine import BATCH_PRIORITY_BASE  # noqa: E402
+from workers.scheduling import (  # noqa: E402
+    MAX_YIELD_STEPS,
+    LatencyFirstScheduler,
+    latency_first_scheduler,
+)
+
+BLOCK = 16
+TOKEN_BUDGET = 256
+
+
+def make_scheduler(model_path: str, factory: Callable[..., Scheduler]) -> Scheduler:
+    model = ModelConfig(model=model_path, max_model_len=4096, dtype="float32")
+    vllm_config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            max_model_len=4096,
+            is_encoder_decoder=False,
+            policy="priority",
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+    )
+    vllm_config.cache_config.num_gpu_blocks = 200
+    kv_cache_config = KVCacheConfig(
+        num_blocks=200,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["layer"], FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32
+                ))
+        ],
+    )
+    return factory(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        log_stats=False,
+        block_size=BLOCK,
+    )
+
+
+def request(rid: str, prompt_len: int, deadline_ms: int, batch: bool) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=[7] * prompt_len,
+        sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
+        pooling_params=None,
+        priority=deadline_ms + (BATCH_PRIORITY_BASE if batch else 0),
+    )
+
+
+def step(scheduler: Scheduler) -> dict[str, int]:
+    """One engine step: schedule, then every request that finished its prompt samples 1."""
+    out: SchedulerOutput = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        req = scheduler.requests[rid]
+        done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
+        sampled.append([11] if done else [])
+    runner = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+    scheduler.update_from_output(out, runner)
+    return dict(out.num_scheduled_tokens)
+
+
+@pytest.fixture
+def scheduler(model_path: str) -> Scheduler:
+    return make_scheduler(model_path, LatencyFirstScheduler)
+
+
+def start_batch(scheduler: Scheduler, n: int) -> list[str]:
+    ids = [f"b{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        scheduler.add_request(request(rid, 20, 1_000 + i, batch=True))
+    while any(scheduler.requests[r].num_computed_tokens < 20 for r in ids):
+        step(scheduler)
+    return ids
+
+
+def test_interactive_prefill_runs_without_batch_work(scheduler: Scheduler) -> None:
+    batch = start_batch(scheduler, 4)
+    assert set(step(scheduler)) == set(batch)  # batch decodes as usual
+    scheduler.add_request(request("i0", 40, 5_000, batch=False))
+    scheduler.add_request(request("b-late", 20, 2_000, batch=True))
+    first = step(scheduler)
+    assert first == {"i0": 40}  # the interactive prefill alone: no decode, no batch admit
+    after = step(scheduler)
+    assert set(after) == {*batch, "i0", "b-late"}  # everyone resumes the next step
+
+
+def test_long_interactive_prompt_keeps_batch_held_over_its_chunks(
+    scheduler: Scheduler,
+) -> None:
+    batch = start_batch(scheduler, 3)
+    scheduler.add_request(request("i0", 600, 5_000, batch=False))
+    chunks = [step(scheduler) for _ in range(3)]
+    assert all(set(c) == {"i0"} for c in chunks)  # three chunks, batch held in each
+    assert sum(c["i0"] for c in chunks) == 600
+    assert set(step(scheduler)) == {*batch, "i0"}
+
+
+def test_batch_is_held_back_a_bounded_number_of_steps(scheduler: Scheduler) -> None:
+    batch = start_batch(scheduler, 2)
+    # A prompt that needs more chunks than the bound: after MAX_YIELD_STEPS steps batch
+    # decodes share the steps again, so batch work is never starved.
+    scheduler.add_request(request("i0", TOKEN_BUDGET * (MAX_YIELD_STEPS + 2), 5_000, False))
+    seen = [step(scheduler) for _ in range(MAX_YIELD_STEPS + 1)]
+    assert all(set(s) == {"i0"} for s in seen[:MAX_YIELD_STEPS])
+    assert set(batch) <= set(seen[MAX_YIELD_STEPS])
+
+
+def test_without_batch_work_it_schedules_like_vllm(model_path: str) -> None:
+    ours = make_scheduler(model_path, LatencyFirstScheduler)
+    theirs = make_scheduler(model_path, Scheduler)
+    for s in (ours, theirs):
+        for i in range(5):
+            s.add_request(request(f"r{i}", 30 + 50 * i, 1_000 + i, batch=False))
+    for _ in range(6):
+        assert step(ours) == step(theirs)
+
+
+def test_the_hook_builds_the_synchronous_variant_on_the_cpu(model_path: str) -> None:
+    assert isinstance(make_scheduler(model_path, latency_first_scheduler), LatencyFirstScheduler)
