@@ -114,9 +114,10 @@ def write_plans(source: Path, path: Path) -> None:
 
 
 def engines_running() -> list[str]:
-    """Command lines of vLLM engines or charserve stacks already on this machine."""
+    """Command lines of vLLM engines already on this machine (a stack on the simulated
+    engine runs none, so it does not count)."""
     found = subprocess.run(
-        ["pgrep", "-af", "vllm|EngineCore|charserve up|cluster.cli up"],
+        ["pgrep", "-af", "vllm|EngineCore"],
         capture_output=True,
         text=True,
         check=False,

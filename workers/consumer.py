@@ -32,6 +32,7 @@ from workers.errors import ExpiredJobError, JobError
 from workers.pacing import StartPacer
 from workers.publisher import Publisher, RequestStream
 from workers.recovery import Recovery
+from workers.reserve import BatchReserve
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +58,10 @@ class ConsumerConfig:
     drain_timeout_s: float = 30.0
     # Slots batch work may never take, so interactive work always finds one free.
     batch_reserve_slots: int = 4
+    # Adaptive reserve (workers.reserve): when below batch_reserve_slots, the reserve
+    # follows the latency-bound jobs in flight, between this and batch_reserve_slots.
+    batch_reserve_min: int | None = None
+    batch_reserve_window_s: float = 30.0
     # A job is dead-lettered when this many workers in a row failed to finish it.
     max_attempts: int = 3
     # Batch jobs start at most this often (0: unpaced), so their prefills do not arrive
@@ -88,6 +93,9 @@ class Consumer:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._batch_running: set[str] = set()
         self._pacer = StartPacer(config.batch_starts_per_s, config.batch_start_burst)
+        self._reserve = BatchReserve(
+            config.batch_reserve_slots, config.batch_reserve_min, config.batch_reserve_window_s
+        )
         self._handing_back = False
         self._lease_lost: set[str] = set()
         # Set by close(): the background loops finish their current Redis command and
@@ -205,7 +213,7 @@ class Consumer:
                 continue
             batch_room = min(
                 self._engine.max_slots
-                - self._config.batch_reserve_slots
+                - self._reserve.slots()
                 - len(self._batch_running),
                 self._pacer.available(),
             )
@@ -236,6 +244,7 @@ class Consumer:
                     self._pacer.take(1)
                 task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
                 self._running[job.id] = task
+            self._reserve.note(len(self._running) - len(self._batch_running))
 
     async def _run(self, job: Job, claimed_ms: int) -> None:
         assert self._publisher is not None and self._queue is not None
@@ -290,6 +299,7 @@ class Consumer:
             self._completed_since_beat += 1
             self._running.pop(job.id, None)
             self._batch_running.discard(job.id)
+            self._reserve.note(len(self._running) - len(self._batch_running))
             self._slot_freed.set()
         try:
             if outcome == "lease_lost":

@@ -54,6 +54,13 @@ class WorkerArgs(BaseModel):
     publish_interval_ms: float = 0.0
     queue_policy: QueuePolicy = "edf"
     batch_reserve_slots: int = Field(default=4, ge=0)
+    batch_reserve_min: int | None = Field(
+        default=None,
+        ge=0,
+        description="Adaptive reserve: follow the latency-bound jobs in flight (their "
+        "peak over batch_reserve_window_s, plus 2) between this and batch_reserve_slots.",
+    )
+    batch_reserve_window_s: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     batch_starts_per_s: float = Field(default=8.0, ge=0)
@@ -103,6 +110,8 @@ class WorkerReplica:
                 publish_interval_ms=parsed.publish_interval_ms,
                 queue_policy=parsed.queue_policy,
                 batch_reserve_slots=parsed.batch_reserve_slots,
+                batch_reserve_min=parsed.batch_reserve_min,
+                batch_reserve_window_s=parsed.batch_reserve_window_s,
                 max_attempts=parsed.max_attempts,
                 drain_timeout_s=parsed.drain_timeout_s,
                 batch_starts_per_s=parsed.batch_starts_per_s,
