@@ -9,25 +9,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from workers.engine import BATCH_PRIORITY_BASE  # noqa: E402
-from workers.scheduling import (  # noqa: E402
+from workers.engine import BATCH_PRIORITY_BASE
+from workers.scheduling import (
     MAX_YIELD_STEPS,
     LatencyFirstScheduler,
     latency_first_scheduler,
@@ -55,9 +52,12 @@ def make_scheduler(model_path: str, factory: Callable[..., Scheduler]) -> Schedu
         num_blocks=200,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
                     block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32
-                ))
+                ),
+            )
         ],
     )
     return factory(
