@@ -212,9 +212,7 @@ class Consumer:
                 await self._slot_freed.wait()
                 continue
             batch_room = min(
-                self._engine.max_slots
-                - self._reserve.slots()
-                - len(self._batch_running),
+                self._engine.max_slots - self._reserve.slots() - len(self._batch_running),
                 self._pacer.available(),
             )
             try:

@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# How EngineConfig.batch_prefill_tokens reaches the scheduler in vLLM's engine core process.
+BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
+
 
 class EngineConfig(BaseModel):
     """vLLM engine settings for one replica."""
@@ -47,6 +50,13 @@ class EngineConfig(BaseModel):
         default=True,
         description="Run an interactive prefill in a step without batch work "
         "(workers/scheduling.py). Off: vLLM's own priority scheduler.",
+    )
+    batch_prefill_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="With latency_first_steps: prompt tokens a step carrying batch work may "
+        "hold besides its decodes, which bounds the step an arriving interactive request "
+        "waits behind (0: up to max_num_batched_tokens).",
     )
 
     def executor_backend(self) -> str | None:
@@ -95,7 +105,10 @@ class EngineConfig(BaseModel):
 
     def env(self) -> dict[str, str]:
         """Environment variables the engine process needs."""
-        env = {"VLLM_CONFIGURE_LOGGING": "0"}
+        env = {
+            "VLLM_CONFIGURE_LOGGING": "0",
+            BATCH_PREFILL_ENV: str(self.batch_prefill_tokens),
+        }
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
         return env

@@ -19,6 +19,11 @@ batch progress even if an urgent request cannot be
 admitted (for example while KV blocks are short), so the rule can never starve batch work
 or deadlock.
 
+Second, a step that carries batch work holds its decodes plus at most
+``engine.batch_prefill_tokens`` prompt tokens (not vLLM's whole ``max_num_batched_tokens``),
+so an interactive request that arrives while a step runs waits for a short one: the step it
+waits behind is bounded, and the step after it is its own.
+
 The class travels in the request's vLLM priority: :func:`workers.engine.engine_priority`
 keeps EDF order (the deadline in ms) and adds ``BATCH_PRIORITY_BASE`` for batch jobs, which
 already sort after latency-bound ones (their budget is a day). Requests with no charserve
@@ -28,6 +33,7 @@ scheduler behaves exactly like vLLM's.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -37,6 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from workers.engine import BATCH_PRIORITY_BASE
+from workers.engine_config import BATCH_PREFILL_ENV
 
 # Consecutive steps batch work may be held back before ordinary steps resume.
 MAX_YIELD_STEPS = 8
@@ -57,7 +64,20 @@ class _LatencyFirst:
     running: list[Request]
     current_step: int
     max_num_active_reqs: int
+    max_num_scheduled_tokens: int
     _yield_steps: int = 0
+    _batch_prefill_tokens: int | None = None
+
+    def _prefill_cap(self) -> int:
+        if self._batch_prefill_tokens is None:
+            self._batch_prefill_tokens = int(os.environ.get(BATCH_PREFILL_ENV, "0") or 0)
+        return self._batch_prefill_tokens
+
+    def _has_batch_work(self) -> bool:
+        if any(is_batch(r) for r in self.running):
+            return True
+        waiting = self.waiting  # type: ignore[attr-defined]
+        return bool(waiting) and is_batch(waiting.peek_request())
 
     def _urgent_waiting(self) -> int:
         # The waiting queue is a heap in priority order: urgent requests come first.
@@ -77,7 +97,9 @@ class _LatencyFirst:
         held = [r for r in self.running if is_batch(r)] if urgent_prefill else []
         if not held:
             self._yield_steps = 0
-            return super().schedule(throttle_prefills)  # type: ignore[misc]
+            if urgent_prefill or not self._prefill_cap() or not self._has_batch_work():
+                return super().schedule(throttle_prefills)  # type: ignore[misc]
+            return self._capped_step(throttle_prefills)
         if self._yield_steps >= MAX_YIELD_STEPS:
             # Held back long enough: ordinary steps until no urgent prefill is pending.
             return super().schedule(throttle_prefills)  # type: ignore[misc]
@@ -94,6 +116,17 @@ class _LatencyFirst:
             return super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
             self.max_num_active_reqs = cap
+
+    def _capped_step(self, throttle_prefills: bool) -> SchedulerOutput:
+        # A step with batch work: every running request's decode plus at most the cap of
+        # prompt tokens, so a latency-bound request arriving now waits for a short step.
+        budget = self.max_num_scheduled_tokens
+        decodes = sum(1 for r in self.running if not _prefilling(r))
+        self.max_num_scheduled_tokens = min(budget, decodes + self._prefill_cap())
+        try:
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
+        finally:
+            self.max_num_scheduled_tokens = budget
 
 
 class LatencyFirstScheduler(_LatencyFirst, Scheduler):

@@ -24,6 +24,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from workers.engine import BATCH_PRIORITY_BASE
+from workers.engine_config import BATCH_PREFILL_ENV
 from workers.scheduling import (
     MAX_YIELD_STEPS,
     LatencyFirstScheduler,
@@ -144,6 +145,22 @@ def test_batch_is_held_back_a_bounded_number_of_steps(scheduler: Scheduler) -> N
     seen = [step(scheduler) for _ in range(MAX_YIELD_STEPS + 1)]
     assert all(set(s) == {"i0"} for s in seen[:MAX_YIELD_STEPS])
     assert set(batch) <= set(seen[MAX_YIELD_STEPS])
+
+
+def test_steps_with_batch_work_hold_a_bounded_prefill(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BATCH_PREFILL_ENV, "48")
+    scheduler = make_scheduler(model_path, LatencyFirstScheduler)
+    batch = start_batch(scheduler, 3)
+    scheduler.add_request(request("b-long", 200, 2_000, batch=True))
+    steps = [step(scheduler) for _ in range(3)]
+    # Every step: each running decode, plus at most 48 prompt tokens of the new batch job.
+    assert all(set(batch) <= set(s) for s in steps)
+    assert [s["b-long"] for s in steps] == [48, 48, 48]
+    # A latency-bound prompt is not capped: it runs whole, alone, in its own step.
+    scheduler.add_request(request("i0", 200, 5_000, batch=False))
+    assert step(scheduler) == {"i0": 200}
 
 
 def test_without_batch_work_it_schedules_like_vllm(model_path: str) -> None:
