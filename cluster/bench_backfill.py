@@ -6,15 +6,17 @@ run with the same model and engine settings.
    plans the backfill resolves from them.
 2. Starts ``charserve up`` with ``--config`` (a private Redis and data folder), sends an
    open-loop interactive stream (Poisson at ``--rate``/s, ``--interactive-max-tokens``)
-   alone for ``--baseline-s``, then runs the backfill (``--concurrency`` dialogues in
-   flight, ``X-Priority: batch``) with the same interactive stream beside it until the
-   backfill finishes. Then stops the stack.
+   alone for ``--baseline-s``, then runs the backfill of those dialogues alone
+   (``--concurrency`` dialogues in flight, ``X-Priority: batch``), then a second set of as
+   many dialogues (other ids and seeds) with the same interactive stream beside it. Then
+   stops the stack.
 3. Only then (never two engines at once) runs :mod:`workers.backfill_reference`: vLLM's
    offline ``LLM.chat`` with the engine settings of the same Serve config, on the same
    plans.
 
-It reports backfill and offline completion tokens/s and their ratio, and interactive TTFT
-p50/p99 alone and with the backfill, against ``--ttft-bound-ms`` (the interactive budget).
+It reports backfill (alone) and offline completion tokens/s and their ratio, the backfill's
+tokens/s beside the interactive stream too, and interactive TTFT p50/p99 alone and with the
+backfill, against ``--ttft-bound-ms`` (the interactive budget) and as a ratio.
 With ``--ignore-eos`` (the default) every turn is exactly its ``max_tokens`` on both sides,
 so both do the same work.
 """
@@ -87,15 +89,15 @@ def card(name: str, description: str, scenario: str, greeting: str) -> dict[str,
     }
 
 
-def write_dialogues(path: Path, count: int, turns: int, seed: int) -> None:
-    """``count`` dialogues over the bench's characters and personas."""
+def write_dialogues(path: Path, count: int, turns: int, seed: int, prefix: str = "bench") -> None:
+    """``count`` dialogues over the bench's characters and personas, ids ``prefix-i``."""
     rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(count):
             name, description, scenario, greeting = _CHARACTERS[i % len(_CHARACTERS)]
             persona = _PERSONAS[i % len(_PERSONAS)]
             line = {
-                "id": f"bench-{i}",
+                "id": f"{prefix}-{i}",
                 "character": card(name, description, scenario, greeting),
                 "persona": {"name": persona[0], "description": persona[1]},
                 "turns": turns,
@@ -204,10 +206,24 @@ def ttft_summary(samples: list[Sample]) -> dict[str, Any]:
     }
 
 
+def backfill_summary(report: Any) -> dict[str, Any]:
+    """The figures of one backfill run."""
+    return {
+        "dialogues": report.completed,
+        "failed": report.failed,
+        "requests": report.requests,
+        "completion_tokens": report.completion_tokens,
+        "elapsed_s": round(report.elapsed_s, 2),
+        "completion_tokens_per_s": round(report.completion_tokens_per_s, 1),
+    }
+
+
 async def served_phase(
-    url: str, args: argparse.Namespace, source: Path, work: Path
+    url: str, args: argparse.Namespace, source: Path, beside_source: Path, work: Path
 ) -> dict[str, Any]:
-    """Interactive alone, then interactive beside the backfill."""
+    """Interactive alone; the backfill alone (the dialogues the offline run gets, on a cold
+    prefix cache like the offline run's); then a second set of dialogues beside the
+    interactive stream."""
     async with httpx.AsyncClient(timeout=120) as client:  # warm-up
         for prompt in USER_PROMPTS:
             await one_request(client, url, args.model, 8, prompt, {"X-Priority": "interactive"})
@@ -216,8 +232,6 @@ async def served_phase(
     await asyncio.sleep(args.baseline_s)
     stop.set()
     baseline = await alone
-    stop = asyncio.Event()
-    beside = asyncio.create_task(interactive_until(url, args, stop, args.seed + 1))
     options = Options(
         base_url=url,
         api_key=None,
@@ -229,20 +243,17 @@ async def served_phase(
         progress=True,
         extra_body={"ignore_eos": True} if args.ignore_eos else {},
     )
+    report = await backfill(source, work / "backfill.out.jsonl", options)
+    stop = asyncio.Event()
+    beside = asyncio.create_task(interactive_until(url, args, stop, args.seed + 1))
     try:
-        report = await backfill(source, work / "backfill.out.jsonl", options)
+        loaded_report = await backfill(beside_source, work / "beside.out.jsonl", options)
     finally:
         stop.set()
     loaded = await beside
     return {
-        "backfill": {
-            "dialogues": report.completed,
-            "failed": report.failed,
-            "requests": report.requests,
-            "completion_tokens": report.completion_tokens,
-            "elapsed_s": round(report.elapsed_s, 2),
-            "completion_tokens_per_s": round(report.completion_tokens_per_s, 1),
-        },
+        "backfill": backfill_summary(report),
+        "backfill_with_interactive": backfill_summary(loaded_report),
         "interactive_alone": ttft_summary(baseline),
         "interactive_with_backfill": ttft_summary(loaded),
     }
@@ -283,10 +294,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     source, plans = work / "dialogues.jsonl", work / "plans.jsonl"
     write_dialogues(source, args.dialogues, args.turns, args.seed)
     write_plans(source, plans)
+    beside_source = work / "beside.jsonl"
+    write_dialogues(beside_source, args.dialogues, args.turns, args.seed + 1, prefix="beside")
     stack = Stack(args.config, args.port or free_port(), work / "up.log", work / "data")
     try:
         stack.wait_ready()
-        served = asyncio.run(served_phase(stack.base_url, args, source, work))
+        served = asyncio.run(served_phase(stack.base_url, args, source, beside_source, work))
     finally:
         stack.stop()
     sys.stderr.write(json.dumps(served, indent=2) + "\n")
@@ -300,6 +313,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         **served,
         "offline_llm_chat": offline,
         "throughput_ratio": round(backfill_tps / offline["completion_tokens_per_s"], 3),
+        "throughput_ratio_with_interactive": round(
+            served["backfill_with_interactive"]["completion_tokens_per_s"]
+            / offline["completion_tokens_per_s"],
+            3,
+        ),
         "ttft_p99_ratio": round(loaded["ttft_p99_ms"] / alone["ttft_p99_ms"], 2)
         if alone["ttft_p99_ms"]
         else None,
