@@ -19,10 +19,13 @@ batch progress even if an urgent request cannot be
 admitted (for example while KV blocks are short), so the rule can never starve batch work
 or deadlock.
 
-Second, a step that carries batch work holds its decodes plus at most
+Second, while latency-bound requests are about (seen in the last
+``LATENCY_TRAFFIC_WINDOW_S``), a step that carries batch work holds its decodes plus at most
 ``engine.batch_prefill_tokens`` prompt tokens (not vLLM's whole ``max_num_batched_tokens``),
 so an interactive request that arrives while a step runs waits for a short one: the step it
-waits behind is bounded, and the step after it is its own.
+waits behind is bounded, and the step after it is its own. On a CPU a prompt token costs
+about as much as a decode of a whole sequence, so this bound matters. With no
+latency-bound traffic, batch prefills run at vLLM's full chunk size.
 
 The class travels in the request's vLLM priority: :func:`workers.engine.engine_priority`
 keeps EDF order (the deadline in ms) and adds ``BATCH_PRIORITY_BASE`` for batch jobs, which
@@ -34,6 +37,7 @@ scheduler behaves exactly like vLLM's.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -47,6 +51,8 @@ from workers.engine_config import BATCH_PREFILL_ENV
 
 # Consecutive steps batch work may be held back before ordinary steps resume.
 MAX_YIELD_STEPS = 8
+# Batch prefills are capped while latency-bound requests were seen this recently.
+LATENCY_TRAFFIC_WINDOW_S = 10.0
 
 
 def is_batch(request: Request) -> bool:
@@ -67,11 +73,22 @@ class _LatencyFirst:
     max_num_scheduled_tokens: int
     _yield_steps: int = 0
     _batch_prefill_tokens: int | None = None
+    _latency_seen_s: float = float("-inf")
 
     def _prefill_cap(self) -> int:
         if self._batch_prefill_tokens is None:
             self._batch_prefill_tokens = int(os.environ.get(BATCH_PREFILL_ENV, "0") or 0)
         return self._batch_prefill_tokens
+
+    def _note_latency_traffic(self) -> bool:
+        """True while latency-bound requests were present within the last window."""
+        waiting = self.waiting  # type: ignore[attr-defined]
+        now = time.monotonic()
+        if any(not is_batch(r) for r in self.running) or (
+            waiting and not is_batch(waiting.peek_request())
+        ):
+            self._latency_seen_s = now
+        return now - self._latency_seen_s < LATENCY_TRAFFIC_WINDOW_S
 
     def _has_batch_work(self) -> bool:
         if any(is_batch(r) for r in self.running):
@@ -97,7 +114,12 @@ class _LatencyFirst:
         held = [r for r in self.running if is_batch(r)] if urgent_prefill else []
         if not held:
             self._yield_steps = 0
-            if urgent_prefill or not self._prefill_cap() or not self._has_batch_work():
+            if (
+                urgent_prefill
+                or not self._prefill_cap()
+                or not self._note_latency_traffic()
+                or not self._has_batch_work()
+            ):
                 return super().schedule(throttle_prefills)  # type: ignore[misc]
             return self._capped_step(throttle_prefills)
         if self._yield_steps >= MAX_YIELD_STEPS:

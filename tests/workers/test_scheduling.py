@@ -147,20 +147,33 @@ def test_batch_is_held_back_a_bounded_number_of_steps(scheduler: Scheduler) -> N
     assert set(batch) <= set(seen[MAX_YIELD_STEPS])
 
 
-def test_steps_with_batch_work_hold_a_bounded_prefill(
+def test_steps_with_batch_work_hold_a_bounded_prefill_while_chats_run(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BATCH_PREFILL_ENV, "48")
+    scheduler = make_scheduler(model_path, LatencyFirstScheduler)
+    batch = start_batch(scheduler, 3)
+    scheduler.add_request(request("i0", 20, 5_000, batch=False))
+    assert step(scheduler) == {"i0": 20}  # the chat's prefill, alone
+    scheduler.add_request(request("b-long", 200, 2_000, batch=True))
+    steps = [step(scheduler) for _ in range(3)]
+    # Each step: every running decode (the chat's too), plus at most 48 prompt tokens.
+    assert all({*batch, "i0"} <= set(s) for s in steps)
+    assert [s["b-long"] for s in steps] == [48, 48, 48]
+    # A latency-bound prompt is not capped: it runs whole, in a step without batch work
+    # (the other chat keeps decoding).
+    scheduler.add_request(request("i1", 200, 6_000, batch=False))
+    assert step(scheduler) == {"i0": 1, "i1": 200}
+
+
+def test_without_chats_batch_prefills_are_not_capped(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(BATCH_PREFILL_ENV, "48")
     scheduler = make_scheduler(model_path, LatencyFirstScheduler)
     batch = start_batch(scheduler, 3)
     scheduler.add_request(request("b-long", 200, 2_000, batch=True))
-    steps = [step(scheduler) for _ in range(3)]
-    # Every step: each running decode, plus at most 48 prompt tokens of the new batch job.
-    assert all(set(batch) <= set(s) for s in steps)
-    assert [s["b-long"] for s in steps] == [48, 48, 48]
-    # A latency-bound prompt is not capped: it runs whole, alone, in its own step.
-    scheduler.add_request(request("i0", 200, 5_000, batch=False))
-    assert step(scheduler) == {"i0": 200}
+    assert step(scheduler) == {**dict.fromkeys(batch, 1), "b-long": 200}
 
 
 def test_without_batch_work_it_schedules_like_vllm(model_path: str) -> None:
