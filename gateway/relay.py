@@ -74,7 +74,12 @@ class ReplyStream:
         while True:
             if self._overflowed:
                 raise SlowConsumer(f"the client fell more than {self._queue.maxsize} chunks behind")
-            chunk = await asyncio.wait_for(self._queue.get(), idle_timeout_s)
+            if self._queue.empty():
+                # Only a reader that has to wait pays for a timer (no task per chunk).
+                async with asyncio.timeout(idle_timeout_s):
+                    chunk = await self._queue.get()
+            else:
+                chunk = self._queue.get_nowait()
             if chunk.seq == LOST_SEQ:
                 yield dataclasses.replace(chunk, seq=self._next_seq)
                 return
