@@ -19,8 +19,13 @@ from gateway.errors import from_worker
 DONE = b"data: [DONE]\n\n"
 
 
+# One encoder for the process: json.dumps with non-default options builds a new encoder
+# on every call, which costs more than encoding a token's text.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(obj)
 
 
 def usage(chunk: Chunk) -> dict[str, Any]:
