@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -267,6 +268,7 @@ async def _lean_round(
 def _round_in_process(kwargs: dict[str, Any]) -> tuple[list[Sample], float]:
     """One share of a round in a worker process (uvloop when available)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    gc.freeze()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(run_round(**kwargs))
 
@@ -466,6 +468,9 @@ def plot(collected: dict[str, tuple[list[Sample], float]], path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``charserve bench`` and print a table."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # A full collection over the modules loaded so far takes tens of ms: the load
+    # generator must not add such pauses to the latencies it measures.
+    gc.freeze()
     # The lean client runs on uvloop, as the gateway does: less of the machine measuring.
     factory = _loop_factory() if args.client == "lean" else None
     with asyncio.Runner(loop_factory=factory) as runner:
