@@ -7,7 +7,7 @@ import random
 
 import httpx
 
-from cluster.bench import one_request, poisson_stream, request_body
+from cluster.bench import one_request, poisson_stream, request_body, run_round_procs
 from cluster.sse_client import LeanClient
 from tests.gateway.conftest import Gateway
 
@@ -59,3 +59,21 @@ async def test_lean_client_reports_an_http_error(gateway: Gateway) -> None:
     finally:
         lean.close()
     assert not sample.ok and sample.error.startswith("HTTP 404")
+
+
+async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway) -> None:
+    samples, wall_s = await run_round_procs(
+        2,
+        url=gateway.base_url,
+        model=MODEL,
+        requests=5,
+        concurrency=3,
+        rate=None,
+        max_tokens=4,
+        seed=1,
+        headers={},
+        client="lean",
+        ramp_s=0.1,
+    )
+    assert len(samples) == 5 and wall_s > 0
+    assert all(s.ok and s.output_tokens == 4 for s in samples), [s.error for s in samples]
