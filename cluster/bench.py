@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -82,20 +83,9 @@ async def one_request(
 ) -> Sample:
     """Send one streaming chat completion and time it (``messages`` replaces the default
     system prompt plus ``prompt``; ``extra`` adds body fields)."""
-    body = {
-        "model": model,
-        "messages": messages
-        or [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": prompt},
-        ],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **(extra or {}),
-    }
+    body = {**request_body(model, max_tokens, prompt), **(extra or {})}
+    if messages:
+        body["messages"] = messages
     parts: list[str] = []
     start = time.perf_counter()
     sample = Sample(ok=False)
@@ -174,38 +164,148 @@ async def run_round(
     max_tokens: int,
     seed: int,
     headers: dict[str, str] | None = None,
+    client: str = "httpx",
+    ramp_s: float = 0.0,
 ) -> tuple[list[Sample], float]:
     """One round: ``requests`` requests closed-loop at ``concurrency``, or open-loop at
-    ``rate`` per second. Returns the samples and the round's wall time."""
+    ``rate`` per second. Returns the samples and the round's wall time.
+
+    ``client="lean"`` uses :class:`cluster.sse_client.LeanClient` instead of httpx (same
+    measurements, far less CPU). ``ramp_s`` starts the closed-loop workers evenly over
+    that many seconds instead of all at once, so equal-length replies do not keep
+    arriving and ending in lockstep."""
     rng = random.Random(seed)
     prompts = [rng.choice(USER_PROMPTS) for _ in range(requests)]
+    if client == "lean":
+        return await _lean_round(
+            url, model, prompts, concurrency, rate, max_tokens, rng, headers or {}, ramp_s
+        )
     limits = httpx.Limits(
         max_connections=max(concurrency, 64), max_keepalive_connections=max(concurrency, 64)
     )
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         start = time.perf_counter()
         if rate is None:
             queue = list(prompts)
             samples: list[Sample] = []
 
-            async def worker() -> None:
+            async def worker(i: int) -> None:
+                await asyncio.sleep(ramp_s * i / concurrency)
                 while queue:
                     samples.append(
-                        await one_request(client, url, model, max_tokens, queue.pop(), headers)
+                        await one_request(http, url, model, max_tokens, queue.pop(), headers)
                     )
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            await asyncio.gather(*(worker(i) for i in range(concurrency)))
         else:
             tasks = []
             for prompt in prompts:
                 tasks.append(
-                    asyncio.create_task(
-                        one_request(client, url, model, max_tokens, prompt, headers)
-                    )
+                    asyncio.create_task(one_request(http, url, model, max_tokens, prompt, headers))
                 )
                 await asyncio.sleep(rng.expovariate(rate))
             samples = list(await asyncio.gather(*tasks))
         return samples, time.perf_counter() - start
+
+
+def request_body(model: str, max_tokens: int, prompt: str) -> dict[str, Any]:
+    """The chat completion every benchmark request sends."""
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": prompt},
+        ],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _lean_round(
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    rate: float | None,
+    max_tokens: int,
+    rng: random.Random,
+    headers: dict[str, str],
+    ramp_s: float,
+) -> tuple[list[Sample], float]:
+    from cluster.sse_client import LeanClient
+
+    lean = LeanClient(url)
+    encoded = {
+        p: lean.request_bytes("/v1/chat/completions", request_body(model, max_tokens, p), headers)
+        for p in set(prompts)
+    }
+    start = time.perf_counter()
+    try:
+        if rate is None:
+            queue = list(prompts)
+            samples: list[Sample] = []
+
+            async def worker(i: int) -> None:
+                await asyncio.sleep(ramp_s * i / concurrency)
+                while queue:
+                    samples.append(await lean.stream(encoded[queue.pop()]))
+
+            await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        else:
+            tasks = []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(lean.stream(encoded[prompt])))
+                await asyncio.sleep(rng.expovariate(rate))
+            samples = list(await asyncio.gather(*tasks))
+    finally:
+        lean.close()
+    return samples, time.perf_counter() - start
+
+
+def _round_in_process(kwargs: dict[str, Any]) -> tuple[list[Sample], float]:
+    """One share of a round in a worker process (uvloop when available)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    gc.freeze()
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(run_round(**kwargs))
+
+
+def _loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop ships with the gateway's extras
+        return None
+    return uvloop.new_event_loop
+
+
+async def run_round_procs(procs: int, **kwargs: Any) -> tuple[list[Sample], float]:
+    """:func:`run_round` spread over ``procs`` processes (concurrency, requests and rate
+    divided between them, each with its own seed); the samples of all, and the longest
+    wall time."""
+    if procs <= 1:
+        return await run_round(**kwargs)
+    from concurrent.futures import ProcessPoolExecutor
+
+    shares = []
+    for i in range(procs):
+        share = dict(kwargs)
+        share["requests"] = kwargs["requests"] // procs + (i < kwargs["requests"] % procs)
+        share["concurrency"] = max(
+            1, kwargs["concurrency"] // procs + (i < kwargs["concurrency"] % procs)
+        )
+        share["seed"] = kwargs["seed"] * 1000 + i
+        if kwargs.get("rate") is not None:
+            share["rate"] = kwargs["rate"] / procs
+        shares.append(share)
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(procs) as pool:
+        results = await asyncio.gather(
+            *(loop.run_in_executor(pool, _round_in_process, s) for s in shares)
+        )
+    return [x for samples, _ in results for x in samples], max(w for _, w in results)
 
 
 def summarize(
@@ -243,28 +343,33 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     headers = dict(h.split(":", 1) for h in args.header)
     headers = {k.strip(): v.strip() for k, v in headers.items()}
     for url in targets:  # warm-up, not measured
-        await run_round(
-            url,
-            args.model,
-            args.warmup,
-            min(args.concurrency, args.warmup),
-            None,
-            args.max_tokens,
-            0,
-            headers,
-        )
+        if args.warmup:
+            await run_round(
+                url,
+                args.model,
+                args.warmup,
+                min(args.concurrency, args.warmup),
+                None,
+                args.max_tokens,
+                0,
+                headers,
+                client=args.client,
+            )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
     for r in range(args.rounds):
         for url in targets:
-            samples, wall = await run_round(
-                url,
-                args.model,
-                args.requests,
-                args.concurrency,
-                args.rate,
-                args.max_tokens,
-                r + 1,
-                headers,
+            samples, wall = await run_round_procs(
+                args.procs,
+                url=url,
+                model=args.model,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                rate=args.rate,
+                max_tokens=args.max_tokens,
+                seed=r + 1,
+                headers=headers,
+                client=args.client,
+                ramp_s=args.ramp_s,
             )
             before, total = collected[url]
             collected[url] = (before + samples, total + wall)
@@ -277,6 +382,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "headers": headers,
             "max_tokens": args.max_tokens,
             "model": args.model,
+            "client": args.client,
+            "procs": args.procs,
+            "ramp_s": args.ramp_s,
         },
         "targets": {
             u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms) for u in targets
@@ -310,6 +418,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO")
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO")
     parser.add_argument("--plot", default=None, help="write latency CDFs and throughput PNG")
+    parser.add_argument(
+        "--client",
+        choices=("httpx", "lean"),
+        default="httpx",
+        help="lean: a raw asyncio HTTP/1.1 SSE client (same measurements, far less CPU)",
+    )
+    parser.add_argument(
+        "--procs", type=int, default=1, help="spread the load over this many client processes"
+    )
+    parser.add_argument(
+        "--ramp-s",
+        type=float,
+        default=0.0,
+        help="closed loop: start the workers evenly over this many seconds",
+    )
 
 
 def plot(collected: dict[str, tuple[list[Sample], float]], path: str) -> None:
@@ -345,7 +468,13 @@ def plot(collected: dict[str, tuple[list[Sample], float]], path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``charserve bench`` and print a table."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    result = asyncio.run(bench(args))
+    # A full collection over the modules loaded so far takes tens of ms: the load
+    # generator must not add such pauses to the latencies it measures.
+    gc.freeze()
+    # The lean client runs on uvloop, as the gateway does: less of the machine measuring.
+    factory = _loop_factory() if args.client == "lean" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        result = runner.run(bench(args))
     keys = [
         "ttft_p50_ms",
         "ttft_p90_ms",

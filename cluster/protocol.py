@@ -83,6 +83,21 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkBatch:
+    """Several encoded :class:`Chunk` messages in one pub/sub message.
+
+    A worker sends one per engine step and gateway inbox, so a gateway pays one message's
+    parsing and one wake-up per step, not one per stream. Each item is a complete encoded
+    Chunk (the same bytes the worker appends to that request's log), so a receiver checks
+    every chunk's kind and version as if it had arrived alone.
+    """
+
+    KIND: ClassVar[str] = "chunks"
+
+    chunks: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
 class Cancel:
     """Stop a request: remove it from the queue, or abort it in the engine."""
 
@@ -117,10 +132,12 @@ class WorkerStats:
         return max(0, self.max_slots - self.running)
 
 
-Message = Job | Chunk | Cancel | WorkerStats
-M = TypeVar("M", Job, Chunk, Cancel, WorkerStats)
+Message = Job | Chunk | ChunkBatch | Cancel | WorkerStats
+M = TypeVar("M", Job, Chunk, ChunkBatch, Cancel, WorkerStats)
 
-_TYPES: dict[str, type[Any]] = {cls.KIND: cls for cls in (Job, Chunk, Cancel, WorkerStats)}
+_TYPES: dict[str, type[Any]] = {
+    cls.KIND: cls for cls in (Job, Chunk, ChunkBatch, Cancel, WorkerStats)
+}
 _FIELDS: dict[type[Any], tuple[str, ...]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in _TYPES.values()
 }
@@ -162,3 +179,16 @@ def decode_as(data: bytes, cls: type[M]) -> M:
     if not isinstance(message, cls):
         raise ProtocolError(f"expected {cls.KIND}, got {message.KIND}")
     return message
+
+
+def decode_chunks(data: bytes) -> list[Chunk]:
+    """The chunks of an inbox message: a :class:`ChunkBatch`, or a single :class:`Chunk`
+    (what workers of an earlier build send)."""
+    message = decode(data)
+    if isinstance(message, Chunk):
+        return [message]
+    if not isinstance(message, ChunkBatch) or not isinstance(message.chunks, list):
+        raise ProtocolError(f"expected chunks, got {message.KIND}")
+    if not all(isinstance(item, bytes) for item in message.chunks):
+        raise ProtocolError("malformed chunks message: items must be encoded chunks")
+    return [decode_as(item, Chunk) for item in message.chunks]

@@ -8,6 +8,7 @@ the first request can be enqueued) and loads the tokenizer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -138,6 +139,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics,
             persona,
         )
+        # Everything built so far (the tokenizer, transformers, the app) lives as long as
+        # the process: move it out of the collector's sight, so a full collection scans
+        # only per-request objects instead of stalling every stream for 100+ ms.
+        gc.freeze()
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         try:
             yield

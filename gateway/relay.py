@@ -4,7 +4,9 @@ bounded per-request queues.
 Every job names this process's inbox channel as ``reply_to``, and the subscription is
 made once at start-up, so no per-request subscribe round trip sits on the TTFT path.
 Pub/sub is at-most-once: every chunk has a sequence number, and a gap is repaired from the
-request's log stream, which the worker writes in the same round trip as it publishes.
+request's log stream, which the worker writes in the same round trip as it publishes. A
+worker sends one message per engine step carrying the chunks of every stream this
+gateway owns (:class:`~cluster.protocol.ChunkBatch`).
 Dispatch never blocks: a client that reads so slowly that its bounded queue fills is cut
 off with a ``slow_consumer`` error (it can resume from the log), so one slow reader never
 stalls the subscription or any other stream.
@@ -72,7 +74,12 @@ class ReplyStream:
         while True:
             if self._overflowed:
                 raise SlowConsumer(f"the client fell more than {self._queue.maxsize} chunks behind")
-            chunk = await asyncio.wait_for(self._queue.get(), idle_timeout_s)
+            if self._queue.empty():
+                # Only a reader that has to wait pays for a timer (no task per chunk).
+                async with asyncio.timeout(idle_timeout_s):
+                    chunk = await self._queue.get()
+            else:
+                chunk = self._queue.get_nowait()
             if chunk.seq == LOST_SEQ:
                 yield dataclasses.replace(chunk, seq=self._next_seq)
                 return
@@ -171,13 +178,15 @@ class Inbox:
                 continue
             self.subscribed.set()
             try:
-                chunk = protocol.decode_as(message["data"], Chunk)
+                chunks = protocol.decode_chunks(message["data"])
             except protocol.ProtocolError as exc:
                 log.warning("dropping bad inbox message", error=str(exc))
                 continue
-            stream = self._streams.get(chunk.request_id)
-            if stream is not None:
-                stream._deliver(chunk)
+            streams = self._streams
+            for chunk in chunks:
+                stream = streams.get(chunk.request_id)
+                if stream is not None:
+                    stream._deliver(chunk)
 
     async def _recover(self) -> None:
         """After a lost connection: once Redis answers and the subscription is back,

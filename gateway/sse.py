@@ -19,8 +19,13 @@ from gateway.errors import from_worker
 DONE = b"data: [DONE]\n\n"
 
 
+# One encoder for the process: json.dumps with non-default options builds a new encoder
+# on every call, which costs more than encoding a token's text.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(obj)
 
 
 def usage(chunk: Chunk) -> dict[str, Any]:
@@ -41,13 +46,48 @@ def finish_reason(chunk: Chunk) -> str:
 
 @dataclass(slots=True)
 class ChunkFormatter:
-    """Formats one request's stream; remembers whether the role was sent."""
+    """Formats one request's stream; remembers whether the role was sent.
+
+    A content event (every chunk but the first and the last) is the same JSON each time
+    but for the text, so it is built from bytes made once per stream: the hot path is one
+    ``json.dumps`` of the text and a join, byte for byte what the general path writes.
+    """
 
     completion_id: str
     model: str
     created: int
     include_usage: bool
     role_sent: bool = False
+    _content_head: bytes = b""
+    _content_tail: bytes = b""
+
+    def __post_init__(self) -> None:
+        marker = "\x00text\x00"
+        body: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
+            ],
+        }
+        if self.include_usage:
+            body["usage"] = None
+        head, tail = _dumps(body).split(_dumps(marker))
+        self._content_head = f"\ndata: {head}".encode()
+        self._content_tail = f"{tail}\n\n".encode()
+
+    def _content_event(self, seq: int, text: str) -> bytes:
+        return b"".join(
+            (
+                b"id: %d" % seq,
+                self._content_head,
+                _dumps(text).encode(),
+                self._content_tail,
+            )
+        )
 
     def _event(self, seq: int, choices: list[dict[str, Any]], usage_obj: Any = None) -> bytes:
         body: dict[str, Any] = {
@@ -64,6 +104,8 @@ class ChunkFormatter:
 
     def events(self, chunk: Chunk) -> bytes:
         """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
+        if self.role_sent and chunk.text and not chunk.is_final:
+            return self._content_event(chunk.seq, chunk.text)
         out = b""
         if chunk.text or not self.role_sent:
             delta: dict[str, Any] = {"content": chunk.text}

@@ -13,6 +13,7 @@ any replica. ``build_app(args)`` is the builder a Serve config names::
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, Literal
 
@@ -119,6 +120,9 @@ class WorkerReplica:
             ),
         )
         await self._consumer.start()
+        # Ray, the engine and this app live as long as the replica: keep them out of the
+        # collector's full passes, which otherwise stall every stream's publishing.
+        gc.freeze()
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""

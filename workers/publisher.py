@@ -1,15 +1,18 @@
 """Streams chunks from a worker back to the gateway that owns each request.
 
-Every chunk goes two ways in one pipelined round trip: ``PUBLISH`` to the job's
-``reply_to`` inbox (the live path, at-most-once) and ``XADD`` to the request's capped log
-stream (for gap repair, resume and non-streaming replies), which expires after a TTL.
+Every chunk goes two ways: ``XADD`` to the request's capped log stream (for gap repair,
+resume and non-streaming replies), which expires after a TTL, and a ``PUBLISH`` to the
+job's ``reply_to`` inbox (the live path, at-most-once). One flush is one Lua call per
+:data:`MAX_CHUNKS_PER_CALL` chunks: it appends every chunk to its log, then publishes one
+:class:`~cluster.protocol.ChunkBatch` per gateway inbox. So an engine step of thousands of
+streams costs the worker one command to pack and one reply to parse, and each gateway one
+pub/sub message to read, instead of two or three commands and a message per stream.
 
 Latency policy: a request's first chunk and its final chunk are sent at once. Later
 tokens are coalesced: with ``publish_interval_ms == 0`` whatever accumulated while the
 previous round trip was in flight goes in the next one (no added delay, natural
 batching under load); with an interval, a request publishes at most once per interval.
-All requests that are due are written in one pipeline, so one engine step costs one
-Redis round trip, not one per request.
+All requests that are due are written in one round trip.
 """
 
 from __future__ import annotations
@@ -24,11 +27,34 @@ from redis.exceptions import RedisError
 
 from cluster import protocol
 from cluster.keys import Keys
-from cluster.protocol import Chunk, Job
+from cluster.protocol import Chunk, ChunkBatch, Job
 from cluster.replylog import LOG_FIELD
 from workers.engine import EngineOutput
 
 log = structlog.get_logger(__name__)
+
+# Bounds one Lua call (Redis runs nothing else meanwhile): about a millisecond of XADDs.
+MAX_CHUNKS_PER_CALL = 256
+
+# KEYS: one log key per chunk. ARGV: maxlen, ttl_ms, the log's field name, the number n of
+# inbox messages, then n (channel, payload) pairs, then per chunk (the encoded chunk, and
+# "1" to set the log's TTL).
+# Every chunk is logged before anything is published: whatever a client may have seen is
+# then in the log, so a retry on another worker never repeats or skips text.
+_PUBLISH = """
+local maxlen, ttl, field, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local base = 4 + 2 * n
+for i, key in ipairs(KEYS) do
+  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', field, ARGV[base + 2 * i - 1])
+  if ARGV[base + 2 * i] == '1' then
+    redis.call('PEXPIRE', key, ttl)
+  end
+end
+for j = 1, n do
+  redis.call('PUBLISH', ARGV[3 + 2 * j], ARGV[4 + 2 * j])
+end
+return #KEYS
+"""
 
 
 @dataclass(slots=True)
@@ -114,6 +140,7 @@ class Publisher:
         self._interval_s = interval_ms / 1000.0
         self._log_ttl_ms = log_ttl_s * 1000
         self._log_maxlen = log_maxlen
+        self._script = redis.register_script(_PUBLISH)
         self._dirty: dict[str, RequestStream] = {}
         self._unsent: list[tuple[RequestStream, Chunk]] = []
         self._wake = asyncio.Event()
@@ -204,20 +231,13 @@ class Publisher:
         return batch
 
     async def _send(self, batch: list[tuple[RequestStream, Chunk]]) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        for stream, chunk in batch:
-            data = protocol.encode(chunk)
-            log_key = self._keys.log(chunk.request_id)
-            # Log first: anything a client may have seen is then in the log, so a retry
-            # on another worker never repeats or skips text.
-            pipe.xadd(log_key, {LOG_FIELD: data}, maxlen=self._log_maxlen, approximate=True)
-            pipe.publish(stream.job.reply_to, data)
-            if stream.seq == 1 or chunk.finish_reason is not None:
-                pipe.pexpire(log_key, self._log_ttl_ms)
         try:
-            await pipe.execute()
+            for start in range(0, len(batch), MAX_CHUNKS_PER_CALL):
+                await self._send_part(batch[start : start + MAX_CHUNKS_PER_CALL])
         except RedisError as exc:
-            # Keep the chunks, in order, and try again: nothing is dropped.
+            # Keep the chunks, in order, and try again: nothing is dropped. A part that
+            # was written before the error is written again; receivers skip a seq they
+            # already have.
             if not self._failing:
                 log.warning("publish failed, retrying", error=str(exc), chunks=len(batch))
             self._failing = True
@@ -230,3 +250,26 @@ class Publisher:
         for stream, chunk in batch:
             if chunk.finish_reason is not None:
                 stream.done.set()
+
+    async def _send_part(self, part: list[tuple[RequestStream, Chunk]]) -> None:
+        """Log and publish ``part`` in one Lua call."""
+        keys: list[str] = []
+        per_chunk: list[bytes | str] = []
+        inboxes: dict[str, list[bytes]] = {}
+        for stream, chunk in part:
+            data = protocol.encode(chunk)
+            keys.append(self._keys.log(chunk.request_id))
+            per_chunk.append(data)
+            per_chunk.append("1" if stream.seq == 1 or chunk.finish_reason is not None else "0")
+            inboxes.setdefault(stream.job.reply_to, []).append(data)
+        args: list[bytes | str | int] = [
+            self._log_maxlen,
+            self._log_ttl_ms,
+            LOG_FIELD,
+            len(inboxes),
+        ]
+        for channel, items in inboxes.items():
+            args.append(channel)
+            args.append(protocol.encode(ChunkBatch(items)))
+        args.extend(per_chunk)
+        await self._script(keys=keys, args=args)

@@ -89,14 +89,25 @@ class SimulatedEngine:
 
     async def _step_loop(self) -> None:
         cfg = self._config
+        loop = asyncio.get_running_loop()
+        next_step_s = loop.time()
         while True:
             if not self._running:
                 self._wake.clear()
                 await self._wake.wait()
+                next_step_s = loop.time()
             batch = list(self._running.values())
             prefill = sum(len(r.job.prompt_token_ids) for r in batch if not r.prefilled)
             step_ms = cfg.step_base_ms + cfg.step_ms_per_seq * len(batch)
-            await asyncio.sleep((step_ms + cfg.prefill_ms_per_token * prefill) / 1000.0)
+            # Steps keep their own cadence: the time this process spends handing outputs
+            # on (the consumer, the publisher) does not lengthen the modelled step, as
+            # vLLM's engine core steps in its own process. A late step starts at once but
+            # is never made up for.
+            next_step_s += (step_ms + cfg.prefill_ms_per_token * prefill) / 1000.0
+            now_s = loop.time()
+            if next_step_s < now_s:
+                next_step_s = now_s
+            await asyncio.sleep(next_step_s - now_s)
             for r in batch:
                 if r.job.id not in self._running or r.remaining <= 0:
                     continue

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from cluster import protocol
-from cluster.protocol import Cancel, Chunk, Job, ProtocolError, WorkerStats
+from cluster.protocol import Cancel, Chunk, ChunkBatch, Job, ProtocolError, WorkerStats
 
 
 def _job() -> Job:
@@ -65,3 +65,23 @@ def test_decode_as_checks_the_type() -> None:
 
 def test_free_slots_never_negative() -> None:
     assert WorkerStats(worker_id="w", max_slots=2, running=5, ts_ms=0).free_slots == 0
+
+
+def test_a_chunk_batch_carries_whole_chunks() -> None:
+    chunks = [
+        Chunk(request_id=f"r{i}", seq=i + 1, text="x", completion_tokens=1, prompt_tokens=2)
+        for i in range(3)
+    ]
+    data = protocol.encode(ChunkBatch([protocol.encode(c) for c in chunks]))
+    assert protocol.decode_chunks(data) == chunks
+    # A single chunk (a worker of an earlier build) is a batch of one.
+    assert protocol.decode_chunks(protocol.encode(chunks[0])) == chunks[:1]
+
+
+def test_a_chunk_batch_rejects_what_is_not_a_chunk() -> None:
+    with pytest.raises(ProtocolError, match="expected chunks, got cancel"):
+        protocol.decode_chunks(protocol.encode(Cancel(request_id="r")))
+    with pytest.raises(ProtocolError, match="expected chunk, got cancel"):
+        protocol.decode_chunks(protocol.encode(ChunkBatch([protocol.encode(Cancel("r"))])))
+    with pytest.raises(ProtocolError, match="items must be encoded chunks"):
+        protocol.decode_chunks(msgpack.packb(["chunks", protocol.VERSION, [1, 2]]))

@@ -7,7 +7,8 @@ import random
 
 import httpx
 
-from cluster.bench import one_request, poisson_stream
+from cluster.bench import one_request, poisson_stream, request_body, run_round_procs
+from cluster.sse_client import LeanClient
 from tests.gateway.conftest import Gateway
 
 MODEL = "smollm2-135m-instruct"
@@ -32,3 +33,47 @@ async def test_poisson_stream_sends_until_stopped(gateway: Gateway) -> None:
     # 40/s for 0.5 s: about 20 arrivals; all answered, none lost.
     assert 5 <= len(samples) <= 60
     assert all(s.ok for s in samples), [s.error for s in samples if not s.ok]
+
+
+async def test_lean_client_measures_what_httpx_measures(gateway: Gateway) -> None:
+    lean = LeanClient(gateway.base_url)
+    request = lean.request_bytes("/v1/chat/completions", request_body(MODEL, 6, "hello"), {})
+    try:
+        # Twice: the second request reuses the keep-alive connection.
+        for _ in range(2):
+            sample = await lean.stream(request)
+            assert sample.ok, sample.error
+            assert sample.output_tokens == 6
+            assert sample.text == "".join(f" t{i}" for i in range(6))
+            assert 0 < sample.ttft_s <= sample.e2e_s and len(sample.itl_s) == 5
+            assert sample.prompt_tokens > 0
+    finally:
+        lean.close()
+
+
+async def test_lean_client_reports_an_http_error(gateway: Gateway) -> None:
+    lean = LeanClient(gateway.base_url)
+    body = request_body("no-such-model", 6, "hello")
+    try:
+        sample = await lean.stream(lean.request_bytes("/v1/chat/completions", body, {}))
+    finally:
+        lean.close()
+    assert not sample.ok and sample.error.startswith("HTTP 404")
+
+
+async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway) -> None:
+    samples, wall_s = await run_round_procs(
+        2,
+        url=gateway.base_url,
+        model=MODEL,
+        requests=5,
+        concurrency=3,
+        rate=None,
+        max_tokens=4,
+        seed=1,
+        headers={},
+        client="lean",
+        ramp_s=0.1,
+    )
+    assert len(samples) == 5 and wall_s > 0
+    assert all(s.ok and s.output_tokens == 4 for s in samples), [s.error for s in samples]

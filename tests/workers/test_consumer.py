@@ -63,8 +63,8 @@ class Inbox:
             message = await self._pubsub.get_message(timeout=None)
             if message is None:
                 continue
-            chunk = protocol.decode_as(message["data"], Chunk)
-            self.chunks.setdefault(chunk.request_id, []).append(chunk)
+            for chunk in protocol.decode_chunks(message["data"]):
+                self.chunks.setdefault(chunk.request_id, []).append(chunk)
             self._signal.touch()
 
     async def final(self, request_id: str) -> list[Chunk]:

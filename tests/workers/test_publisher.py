@@ -1,0 +1,112 @@
+"""The publisher's framing: one Lua call logs every chunk and publishes one batch per
+gateway inbox, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from cluster import protocol
+from cluster.keys import Keys
+from cluster.protocol import Chunk, Job
+from cluster.replylog import read_log
+from workers import publisher as publisher_module
+from workers.engine import EngineOutput
+from workers.publisher import Publisher, RequestStream
+
+
+def _stream(request_id: str, reply_to: str) -> RequestStream:
+    job = Job(
+        id=request_id,
+        reply_to=reply_to,
+        model="m",
+        prompt_token_ids=[1],
+        max_tokens=2,
+        sampling={},
+        arrival_ms=0,
+        deadline_ms=10**13,
+    )
+    return RequestStream(job=job, worker_id="w", queue_ms=0.0)
+
+
+async def _published(pubsub: aioredis.client.PubSub) -> list[list[Chunk]]:
+    """Every message on the subscribed channels until none came for 0.3 s, each as its
+    list of chunks (subscribe confirmations are skipped, and read as None)."""
+    messages = []
+    loop = asyncio.get_running_loop()
+    quiet_until = loop.time() + 0.3
+    while loop.time() < quiet_until:
+        message = await pubsub.get_message(timeout=0.05)
+        if message is not None:
+            messages.append(protocol.decode_chunks(message["data"]))
+            quiet_until = loop.time() + 0.3
+    return messages
+
+
+async def test_one_step_is_one_message_per_inbox_and_every_chunk_is_logged(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("inbox-a", "inbox-b")
+    publisher = Publisher(redis, keys)
+    streams = [_stream(f"r{i}", "inbox-a" if i % 2 else "inbox-b") for i in range(10)]
+    try:
+        # Marked before the flush task runs: all ten go in one flush.
+        for stream in streams:
+            stream.add(EngineOutput(f" {stream.job.id}", [7], None, prompt_tokens=1))
+            publisher.mark(stream)
+        await publisher.start()
+        await publisher.flush()
+        by_channel = {}
+        for message in await _published(pubsub):
+            assert len({c.request_id for c in message}) == len(message)
+            for chunk in message:
+                by_channel.setdefault(chunk.request_id, []).append(len(message))
+        assert sorted(by_channel) == sorted(s.job.id for s in streams)
+        # Two inboxes, five streams each: one message of five chunks per inbox.
+        assert all(sizes == [5] for sizes in by_channel.values())
+        for stream in streams:
+            (logged,) = await read_log(redis, keys, stream.job.id)
+            assert (logged.seq, logged.text) == (1, f" {stream.job.id}")
+            # The first chunk sets the log's TTL.
+            assert 0 < await redis.pttl(keys.log(stream.job.id)) <= 3_600_000
+    finally:
+        await publisher.close()
+        await pubsub.aclose()
+
+
+async def test_a_large_step_is_split_across_calls_without_losing_order(
+    redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publisher_module, "MAX_CHUNKS_PER_CALL", 3)
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("inbox")
+    publisher = Publisher(redis, keys)
+    streams = [_stream(f"r{i}", "inbox") for i in range(7)]
+    try:
+        for step in range(2):
+            for stream in streams:
+                out = EngineOutput(
+                    text=f" {step}",
+                    token_ids=[step],
+                    prompt_tokens=1,
+                    finish_reason="length" if step == 1 else None,
+                )
+                stream.add(out)
+                publisher.mark(stream)
+            if step == 0:
+                await publisher.start()
+            await publisher.flush()
+        await asyncio.gather(*(s.done.wait() for s in streams))
+        messages = await _published(pubsub)
+        assert max(len(m) for m in messages) <= 3
+        for stream in streams:
+            got = [c for m in messages for c in m if c.request_id == stream.job.id]
+            assert [c.seq for c in got] == [1, 2] and got[-1].is_final
+            logged = await read_log(redis, keys, stream.job.id)
+            assert [c.text for c in logged] == [" 0", " 1"]
+    finally:
+        await publisher.close()
+        await pubsub.aclose()
