@@ -7,7 +7,7 @@ time to first token grows with the batch. On a CPU, and on a GPU at large batch 
 step's time grows with the tokens in it, so this is what stretched interactive TTFT under
 backfill.
 
-:class:`LatencyFirstScheduler` changes one thing. While a latency-bound request (any class
+:class:`LatencyFirstScheduler` changes two things. First, while a latency-bound request (any class
 but ``batch``) is waiting to be admitted or still prefilling, the step holds the batch
 class back: running batch requests skip that step (vLLM's own mechanism for a request that
 is not eligible this step, ``next_decode_eligible_step``, as its diffusion scheduler uses),
@@ -15,9 +15,8 @@ and no batch request is admitted in it. The interactive prefill then runs in a s
 short as on an idle engine. Batch work loses one or two steps per interactive arrival and
 keeps its KV blocks throughout, so nothing is recomputed. A bounded run of such steps
 (``MAX_YIELD_STEPS``; then ordinary steps until no urgent prefill is pending) guarantees
-batch progress even if an urgent request cannot be
-admitted (for example while KV blocks are short), so the rule can never starve batch work
-or deadlock.
+batch progress even if an urgent request cannot be admitted (for example while KV blocks
+are short), so the rule can never starve batch work or deadlock.
 
 Second, while latency-bound requests are about (seen in the last
 ``LATENCY_TRAFFIC_WINDOW_S``), a step that carries batch work holds its decodes plus at most
