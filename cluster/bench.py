@@ -20,6 +20,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,53 @@ class Sample:
         )
 
 
+class StreamTimer:
+    """Times one streamed reply from its decoded SSE ``data:`` events; both load-generator
+    clients (httpx and :mod:`cluster.sse_client`) feed it, so they measure alike."""
+
+    __slots__ = ("last", "parts", "sample", "start")
+
+    def __init__(self, start: float) -> None:
+        self.sample = Sample(ok=False)
+        self.start = start
+        self.last = start
+        self.parts: list[str] = []
+
+    def event(self, body: dict[str, Any], now: float) -> bool:
+        """Record one event received at ``now``; False if it was an error event."""
+        sample = self.sample
+        if "error" in body:
+            sample.error = str(body["error"].get("message"))
+            return False
+        usage = body.get("usage")
+        if usage:
+            sample.output_tokens = int(usage["completion_tokens"])
+            sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            sample.cached_tokens = int(details.get("cached_tokens") or 0)
+        for choice in body.get("choices", ()):
+            content = choice.get("delta", {}).get("content")
+            if content:
+                self.parts.append(content)
+                if sample.ttft_s == 0.0:
+                    sample.ttft_s = now - self.start
+                else:
+                    sample.itl_s.append(now - self.last)
+                self.last = now
+        return True
+
+    def finish(self, now: float) -> Sample:
+        """The sample of a reply that ended at ``now``."""
+        sample = self.sample
+        sample.e2e_s = now - self.start
+        sample.text = "".join(self.parts)
+        if not sample.error:
+            sample.ok = sample.ttft_s > 0.0
+            if not sample.ok:
+                sample.error = "no content"
+        return sample
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) by linear interpolation; NaN when empty."""
     if not values:
@@ -86,47 +134,23 @@ async def one_request(
     body = {**request_body(model, max_tokens, prompt), **(extra or {})}
     if messages:
         body["messages"] = messages
-    parts: list[str] = []
-    start = time.perf_counter()
-    sample = Sample(ok=False)
-    last = start
+    timer = StreamTimer(time.perf_counter())
     try:
         async with client.stream(
             "POST", f"{url}/v1/chat/completions", json=body, headers=headers
         ) as resp:
             if resp.status_code != 200:
-                sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return sample
+                timer.sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return timer.sample
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    sample.error = str(event["error"].get("message"))
-                    return sample
-                if event.get("usage"):
-                    usage = event["usage"]
-                    sample.output_tokens = int(usage["completion_tokens"])
-                    sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    sample.cached_tokens = int(details.get("cached_tokens") or 0)
-                for choice in event.get("choices", []):
-                    if choice.get("delta", {}).get("content"):
-                        parts.append(choice["delta"]["content"])
-                        now = time.perf_counter()
-                        if sample.ttft_s == 0.0:
-                            sample.ttft_s = now - start
-                        else:
-                            sample.itl_s.append(now - last)
-                        last = now
-        sample.e2e_s = time.perf_counter() - start
-        sample.text = "".join(parts)
-        sample.ok = sample.ttft_s > 0.0
-        if not sample.ok:
-            sample.error = "no content"
+                if not timer.event(json.loads(line[6:]), time.perf_counter()):
+                    return timer.sample
+        return timer.finish(time.perf_counter())
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-    return sample
+        timer.sample.error = f"{type(exc).__name__}: {exc}"
+        return timer.sample
 
 
 async def poisson_stream(
@@ -184,28 +208,41 @@ async def run_round(
         max_connections=max(concurrency, 64), max_keepalive_connections=max(concurrency, 64)
     )
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
-        start = time.perf_counter()
-        if rate is None:
-            queue = list(prompts)
-            samples: list[Sample] = []
 
-            async def worker(i: int) -> None:
-                await asyncio.sleep(ramp_s * i / concurrency)
-                while queue:
-                    samples.append(
-                        await one_request(http, url, model, max_tokens, queue.pop(), headers)
-                    )
+        def send(prompt: str) -> Awaitable[Sample]:
+            return one_request(http, url, model, max_tokens, prompt, headers)
 
-            await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        else:
-            tasks = []
-            for prompt in prompts:
-                tasks.append(
-                    asyncio.create_task(one_request(http, url, model, max_tokens, prompt, headers))
-                )
-                await asyncio.sleep(rng.expovariate(rate))
-            samples = list(await asyncio.gather(*tasks))
-        return samples, time.perf_counter() - start
+        return await drive(send, prompts, concurrency, rate, rng, ramp_s)
+
+
+async def drive(
+    send: Callable[[str], Awaitable[Sample]],
+    prompts: list[str],
+    concurrency: int,
+    rate: float | None,
+    rng: random.Random,
+    ramp_s: float,
+) -> tuple[list[Sample], float]:
+    """Send every prompt closed-loop at ``concurrency`` (workers started over ``ramp_s``),
+    or open-loop at Poisson arrivals of ``rate`` per second; the samples and wall time."""
+    start = time.perf_counter()
+    if rate is None:
+        queue = list(prompts)
+        samples: list[Sample] = []
+
+        async def worker(i: int) -> None:
+            await asyncio.sleep(ramp_s * i / concurrency)
+            while queue:
+                samples.append(await send(queue.pop()))
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    else:
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(send(prompt)))
+            await asyncio.sleep(rng.expovariate(rate))
+        samples = list(await asyncio.gather(*tasks))
+    return samples, time.perf_counter() - start
 
 
 def request_body(model: str, max_tokens: int, prompt: str) -> dict[str, Any]:
@@ -242,27 +279,12 @@ async def _lean_round(
         p: lean.request_bytes("/v1/chat/completions", request_body(model, max_tokens, p), headers)
         for p in set(prompts)
     }
-    start = time.perf_counter()
     try:
-        if rate is None:
-            queue = list(prompts)
-            samples: list[Sample] = []
-
-            async def worker(i: int) -> None:
-                await asyncio.sleep(ramp_s * i / concurrency)
-                while queue:
-                    samples.append(await lean.stream(encoded[queue.pop()]))
-
-            await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        else:
-            tasks = []
-            for prompt in prompts:
-                tasks.append(asyncio.create_task(lean.stream(encoded[prompt])))
-                await asyncio.sleep(rng.expovariate(rate))
-            samples = list(await asyncio.gather(*tasks))
+        return await drive(
+            lambda prompt: lean.stream(encoded[prompt]), prompts, concurrency, rate, rng, ramp_s
+        )
     finally:
         lean.close()
-    return samples, time.perf_counter() - start
 
 
 def _round_in_process(kwargs: dict[str, Any]) -> tuple[list[Sample], float]:

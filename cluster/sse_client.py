@@ -19,7 +19,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.bench import Sample
+from cluster.bench import Sample, StreamTimer
 
 
 class ProtocolViolation(Exception):
@@ -29,15 +29,12 @@ class ProtocolViolation(Exception):
 class _Response:
     """What one request's response carries so far."""
 
-    __slots__ = ("body", "last", "parts", "sample", "start", "status")
+    __slots__ = ("body", "status", "timer")
 
     def __init__(self, start: float) -> None:
-        self.sample = Sample(ok=False)
-        self.start = start
-        self.last = start
+        self.timer = StreamTimer(start)
         self.status = 0
         self.body = bytearray()  # a non-200 body, for the error message
-        self.parts: list[str] = []
 
 
 class _StreamProtocol(asyncio.Protocol):
@@ -193,34 +190,14 @@ class _StreamProtocol(asyncio.Protocol):
     def _event(self, event: bytes, now: float) -> None:
         response = self._response
         assert response is not None
-        sample = response.sample
-        if sample.error:
+        if response.timer.sample.error:
             return
         at = event.find(b"data: ")
         if at < 0:
             return
         payload = event[at + 6 :]
-        if payload == b"[DONE]":
-            return
-        body: dict[str, Any] = json.loads(payload)
-        if "error" in body:
-            sample.error = str(body["error"].get("message"))
-            return
-        usage = body.get("usage")
-        if usage:
-            sample.output_tokens = int(usage["completion_tokens"])
-            sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            details = usage.get("prompt_tokens_details") or {}
-            sample.cached_tokens = int(details.get("cached_tokens") or 0)
-        for choice in body.get("choices", ()):
-            content = choice.get("delta", {}).get("content")
-            if content:
-                response.parts.append(content)
-                if sample.ttft_s == 0.0:
-                    sample.ttft_s = now - response.start
-                else:
-                    sample.itl_s.append(now - response.last)
-                response.last = now
+        if payload != b"[DONE]":
+            response.timer.event(json.loads(payload), now)
 
     def _finish(self) -> None:
         self._state = "idle"
@@ -278,17 +255,10 @@ class LeanClient:
             self._idle.append(proto)
         elif proto.transport is not None:
             proto.transport.close()
-        sample = response.sample
         if response.status != 200:
-            sample.error = f"HTTP {response.status}: {bytes(response.body)!r}"
-            return sample
-        sample.e2e_s = time.perf_counter() - response.start
-        sample.text = "".join(response.parts)
-        if not sample.error:
-            sample.ok = sample.ttft_s > 0.0
-            if not sample.ok:
-                sample.error = "no content"
-        return sample
+            response.timer.sample.error = f"HTTP {response.status}: {bytes(response.body)!r}"
+            return response.timer.sample
+        return response.timer.finish(time.perf_counter())
 
     def close(self) -> None:
         """Close every idle connection."""
