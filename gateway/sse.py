@@ -63,21 +63,25 @@ class ChunkFormatter:
 
     def __post_init__(self) -> None:
         marker = "\x00text\x00"
+        choices = [
+            {"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
+        ]
+        head, tail = _dumps(self._body(choices, None)).split(_dumps(marker))
+        self._content_head = f"\ndata: {head}".encode()
+        self._content_tail = f"{tail}\n\n".encode()
+
+    def _body(self, choices: list[dict[str, Any]], usage_obj: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.completion_id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [
-                {"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
-            ],
+            "choices": choices,
         }
         if self.include_usage:
-            body["usage"] = None
-        head, tail = _dumps(body).split(_dumps(marker))
-        self._content_head = f"\ndata: {head}".encode()
-        self._content_tail = f"{tail}\n\n".encode()
+            body["usage"] = usage_obj
+        return body
 
     def _content_event(self, seq: int, text: str) -> bytes:
         return b"".join(
@@ -90,17 +94,7 @@ class ChunkFormatter:
         )
 
     def _event(self, seq: int, choices: list[dict[str, Any]], usage_obj: Any = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": self.completion_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if self.include_usage:
-            body["usage"] = usage_obj
-        return f"id: {seq}\ndata: {_dumps(body)}\n\n".encode()
+        return f"id: {seq}\ndata: {_dumps(self._body(choices, usage_obj))}\n\n".encode()
 
     def events(self, chunk: Chunk) -> bytes:
         """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
