@@ -231,25 +231,29 @@ class Publisher:
         return batch
 
     async def _send(self, batch: list[tuple[RequestStream, Chunk]]) -> None:
+        written = 0
+        error: RedisError | None = None
         try:
-            for start in range(0, len(batch), MAX_CHUNKS_PER_CALL):
-                await self._send_part(batch[start : start + MAX_CHUNKS_PER_CALL])
+            while written < len(batch):
+                part = batch[written : written + MAX_CHUNKS_PER_CALL]
+                await self._send_part(part)
+                written += len(part)
         except RedisError as exc:
-            # Keep the chunks, in order, and try again: nothing is dropped. A part that
-            # was written before the error is written again; receivers skip a seq they
-            # already have.
-            if not self._failing:
-                log.warning("publish failed, retrying", error=str(exc), chunks=len(batch))
-            self._failing = True
-            self._unsent = batch + self._unsent
-            await asyncio.sleep(0.05)
-            return
-        if self._failing:
-            self._failing = False
-            log.info("publishing again", chunks=len(batch))
-        for stream, chunk in batch:
+            error = exc
+        for stream, chunk in batch[:written]:
             if chunk.finish_reason is not None:
                 stream.done.set()
+        if error is not None:
+            # Keep the chunks not yet written, in order, and try again: nothing is dropped,
+            # and the parts already logged are not logged twice.
+            if not self._failing:
+                log.warning("publish failed, retrying", error=str(error), chunks=len(batch))
+            self._failing = True
+            self._unsent = batch[written:] + self._unsent
+            await asyncio.sleep(0.05)
+        elif self._failing:
+            self._failing = False
+            log.info("publishing again", chunks=len(batch))
 
     async def _send_part(self, part: list[tuple[RequestStream, Chunk]]) -> None:
         """Log and publish ``part`` in one Lua call."""
