@@ -168,39 +168,33 @@ def _request_id() -> str:
     return f"batch_req_{uuid.uuid4().hex[:24]}"
 
 
+def _result(
+    kind: bytes, line: InputLine, response: dict[str, Any] | None, error: dict[str, str] | None
+) -> bytes:
+    """A stored result: ``kind`` (``o`` output, ``e`` error) + the file's JSON line. Error
+    lines also carry their input line number."""
+    record: dict[str, Any] = {"id": _request_id(), "custom_id": line.custom_id}
+    if kind == b"e":
+        record["line"] = line.line_no
+    record["response"] = response
+    record["error"] = error
+    return kind + json.dumps(record, separators=(",", ":")).encode()
+
+
 def output_line(line: InputLine, request_id: str, body: dict[str, Any]) -> bytes:
-    """A stored result for a successful request (``o`` + the output-file line)."""
-    record = {
-        "id": _request_id(),
-        "custom_id": line.custom_id,
-        "response": {"status_code": 200, "request_id": request_id, "body": body},
-        "error": None,
-    }
-    return b"o" + json.dumps(record, separators=(",", ":")).encode()
+    """A stored result for a successful request."""
+    return _result(b"o", line, {"status_code": 200, "request_id": request_id, "body": body}, None)
 
 
 def api_error_line(line: InputLine, request_id: str, exc: APIError) -> bytes:
-    """A stored result for a request the API refused (``e`` + the error-file line)."""
-    record = {
-        "id": _request_id(),
-        "custom_id": line.custom_id,
-        "line": line.line_no,
-        "response": {"status_code": exc.status, "request_id": request_id, "body": exc.body()},
-        "error": None,
-    }
-    return b"e" + json.dumps(record, separators=(",", ":")).encode()
+    """A stored result for a request the API refused."""
+    response = {"status_code": exc.status, "request_id": request_id, "body": exc.body()}
+    return _result(b"e", line, response, None)
 
 
 def error_line(line: InputLine, code: str, message: str) -> bytes:
-    """A stored result for a line that could not run (``e`` + the error-file line)."""
-    record = {
-        "id": _request_id(),
-        "custom_id": line.custom_id,
-        "line": line.line_no,
-        "response": None,
-        "error": {"code": code, "message": message},
-    }
-    return b"e" + json.dumps(record, separators=(",", ":")).encode()
+    """A stored result for a line that could not run."""
+    return _result(b"e", line, None, {"code": code, "message": message})
 
 
 def assemble_files(results: dict[int, bytes]) -> tuple[bytes, bytes]:
