@@ -242,7 +242,11 @@ class Consumer:
                     self._pacer.take(1)
                 task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
                 self._running[job.id] = task
-            self._reserve.note(len(self._running) - len(self._batch_running))
+            self._note_demand()
+
+    def _note_demand(self) -> None:
+        """Tell the reserve how many latency-bound jobs run now."""
+        self._reserve.note(len(self._running) - len(self._batch_running))
 
     async def _run(self, job: Job, claimed_ms: int) -> None:
         assert self._publisher is not None and self._queue is not None
@@ -297,7 +301,7 @@ class Consumer:
             self._completed_since_beat += 1
             self._running.pop(job.id, None)
             self._batch_running.discard(job.id)
-            self._reserve.note(len(self._running) - len(self._batch_running))
+            self._note_demand()
             self._slot_freed.set()
         try:
             if outcome == "lease_lost":
