@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from cluster.keys import Keys
 from cluster.logging import configure_logging
@@ -36,6 +37,7 @@ from gateway.capacity import CapacityView
 from gateway.characters import CharacterStore, PersonaChat
 from gateway.characters import router as characters_router
 from gateway.chat import ChatService, now_ms
+from gateway.direct import RAW_SEND
 from gateway.edge import Authenticator, EdgeMiddleware, new_request_id
 from gateway.errors import APIError, BadRequest, document_errors, error_response
 from gateway.prompts import PromptBuilder
@@ -82,6 +84,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return BadRequest(message, param=param, code="invalid_value")
+
+
+class GatewayApp(FastAPI):
+    """FastAPI that keeps the server's own ``send`` in the scope (:data:`RAW_SEND`): the
+    chat route's streams write tokens through it (see :mod:`gateway.direct`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -151,7 +163,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await inbox.close()
             await redis.aclose()
 
-    app = FastAPI(title="charserve", version="0.1.0", lifespan=lifespan)
+    app = GatewayApp(title="charserve", version="0.1.0", lifespan=lifespan)
     app.include_router(characters_router())
     install_batches(app, settings, keys)  # the Batch API routes and the batch runner
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes)
@@ -198,7 +210,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         chat: ChatService = request.app.state.chat
         resumable = request.headers.get("x-resumable", "").strip().lower() == "true"
         return await chat.complete(
-            body, request_id, admission, _tenant(request), request.receive, resumable
+            body,
+            request_id,
+            admission,
+            _tenant(request),
+            request.receive,
+            resumable,
+            request.scope.get(RAW_SEND),
         )
 
     @app.get(

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
+from starlette.types import Send
 
 from cluster.metrics import GatewayMetrics, chunk_outcome
 from cluster.protocol import Chunk, Job
@@ -27,6 +28,7 @@ from cluster.queue import JobQueue
 from cluster.settings import Settings
 from gateway.admission import Admission, Admitter
 from gateway.characters import PersonaChat, PersonaTurn
+from gateway.direct import ConnectionWriter
 from gateway.edge import Authenticator
 from gateway.errors import (
     BadRequest,
@@ -38,7 +40,7 @@ from gateway.errors import (
     from_worker,
 )
 from gateway.prompts import PromptBuilder
-from gateway.relay import Inbox, SlowConsumer
+from gateway.relay import Inbox, ReplyStream, SlowConsumer
 from gateway.resume import RequestMeta
 from gateway.schemas import ChatCompletionRequest
 from gateway.sse import DONE, ChunkFormatter, completion_body, error_event
@@ -125,6 +127,28 @@ def _queue_unavailable() -> ServiceUnavailable:
     return ServiceUnavailable("the queue is unavailable", headers={"Retry-After": "1"})
 
 
+def _direct_sink(
+    raw_send: Send | None, fmt: ChunkFormatter, tracker: _Tracker, parts: list[str] | None
+) -> Callable[[Chunk], bool] | None:
+    """What the relay calls to write one in-order content chunk straight to the client's
+    connection (None: this server or response does not allow it). It does exactly what
+    the streaming loop does for such a chunk: the event, the metrics, the persona text."""
+    writer = ConnectionWriter.attach(raw_send)
+    if writer is None:
+        return None
+    write, event = writer.write, fmt.content_event
+
+    def sink(chunk: Chunk) -> bool:
+        if not write(event(chunk.seq, chunk.text)):
+            return False
+        tracker.chunk(chunk)
+        if parts is not None:
+            parts.append(chunk.text)
+        return True
+
+    return sink
+
+
 class ChatService:
     """Everything the chat route needs, built once per gateway process."""
 
@@ -193,9 +217,12 @@ class ChatService:
         tenant: str,
         receive: Receive,
         resumable: bool = False,
+        raw_send: Send | None = None,
     ) -> Response:
         """Run one chat completion end to end. A ``resumable`` request keeps generating
-        when its client goes away, so the client can come back for the rest."""
+        when its client goes away, so the client can come back for the rest. ``raw_send``
+        is the server's own ``send`` for this request: with it, tokens may be written
+        straight to the connection (see :mod:`gateway.direct`)."""
         self.check(request)
         turn = await self._persona_turn(request, tenant)
         prompt = self._prompts.build(request, turn.messages if turn else None)
@@ -254,7 +281,9 @@ class ChatService:
                 )
                 handed_off = True
                 return StreamingResponse(
-                    self._sse(request_id, fmt, first, chunks, resumable, tracker, turn),
+                    self._sse(
+                        replies, fmt, first, chunks, resumable, tracker, turn, raw_send
+                    ),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **rate},
                 )
@@ -338,14 +367,16 @@ class ChatService:
 
     async def _sse(
         self,
-        request_id: str,
+        replies: ReplyStream,
         fmt: ChunkFormatter,
         first: Chunk,
         chunks: AsyncIterator[Chunk],
         resumable: bool,
         tracker: _Tracker,
         turn: PersonaTurn | None,
+        raw_send: Send | None,
     ) -> AsyncIterator[bytes]:
+        request_id = replies.request_id
         finished = False
         parts: list[str] = []
         try:
@@ -361,6 +392,12 @@ class ChatService:
                     finished = True
                     tracker.finish(chunk_outcome(chunk))
                     return
+                if chunk is first:
+                    # The head and the first event are out: later content may go straight
+                    # to the connection.
+                    replies.direct = _direct_sink(
+                        raw_send, fmt, tracker, parts if turn is not None else None
+                    )
                 chunk = await anext(chunks)
                 tracker.chunk(chunk)
         except TimeoutError:

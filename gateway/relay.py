@@ -11,6 +11,12 @@ Dispatch never blocks: a client that reads so slowly that its bounded queue fill
 off with a ``slow_consumer`` error (it can resume from the log), so one slow reader never
 stalls the subscription or any other stream.
 
+The token path is short: while a stream's reader waits with nothing queued, it may arm a
+*direct sink* (:attr:`ReplyStream.direct`), and the dispatcher hands each next in-order
+content chunk straight to it (the SSE writer puts the event on the client's socket) instead
+of waking the reader's task once per token. Everything else (the first and final chunks,
+errors, gaps, a client whose socket is backed up) takes the queue, in order.
+
 Redis can go away. The subscription reconnects (and resubscribes) by itself; afterwards,
 and every few seconds for streams that have gone quiet, the inbox *reconciles*: it reads
 each stream's log (delivering what pub/sub dropped) and checks the job still exists. A job
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 import structlog
@@ -56,8 +62,24 @@ class ReplyStream:
         self.enqueued = False
         # The watchdog's last look at _next_seq: unchanged since then means quiet.
         self.watched_seq = 0
+        # Writes one in-order content chunk to the client; False: it could not (the
+        # chunk then takes the queue). Armed by chunks() only while its reader waits.
+        self.direct: Callable[[Chunk], bool] | None = None
+        self._armed: Callable[[Chunk], bool] | None = None
 
     def _deliver(self, chunk: Chunk) -> None:
+        sink = self._armed
+        if (
+            sink is not None
+            and chunk.seq == self._next_seq
+            and chunk.text
+            and chunk.finish_reason is None
+            and sink(chunk)
+        ):
+            self._next_seq += 1
+            return
+        # From here on the reader's task handles chunks in order, until it waits again.
+        self._armed = None
         try:
             self._queue.put_nowait(chunk)
         except asyncio.QueueFull:
@@ -75,9 +97,7 @@ class ReplyStream:
             if self._overflowed:
                 raise SlowConsumer(f"the client fell more than {self._queue.maxsize} chunks behind")
             if self._queue.empty():
-                # Only a reader that has to wait pays for a timer (no task per chunk).
-                async with asyncio.timeout(idle_timeout_s):
-                    chunk = await self._queue.get()
+                chunk = await self._wait(idle_timeout_s)
             else:
                 chunk = self._queue.get_nowait()
             if chunk.seq == LOST_SEQ:
@@ -100,6 +120,22 @@ class ReplyStream:
             yield chunk
             if chunk.is_final:
                 return
+
+    async def _wait(self, idle_timeout_s: float) -> Chunk:
+        """The next queued chunk; meanwhile the direct sink (if any) takes what it can.
+        Only a reader that has to wait pays for a timer (no task per chunk); the timeout
+        counts from the last chunk delivered either way."""
+        while True:
+            seen = self._next_seq
+            self._armed = self.direct
+            try:
+                async with asyncio.timeout(idle_timeout_s):
+                    return await self._queue.get()
+            except TimeoutError:
+                if self._next_seq == seen:
+                    raise
+            finally:
+                self._armed = None
 
 
 class Inbox:

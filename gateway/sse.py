@@ -83,7 +83,8 @@ class ChunkFormatter:
             body["usage"] = usage_obj
         return body
 
-    def _content_event(self, seq: int, text: str) -> bytes:
+    def content_event(self, seq: int, text: str) -> bytes:
+        """The event of a content chunk after the first (what :meth:`events` writes)."""
         return b"".join(
             (
                 b"id: %d" % seq,
@@ -99,7 +100,7 @@ class ChunkFormatter:
     def events(self, chunk: Chunk) -> bytes:
         """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
         if self.role_sent and chunk.text and not chunk.is_final:
-            return self._content_event(chunk.seq, chunk.text)
+            return self.content_event(chunk.seq, chunk.text)
         out = b""
         if chunk.text or not self.role_sent:
             delta: dict[str, Any] = {"content": chunk.text}

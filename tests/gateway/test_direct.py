@@ -1,0 +1,156 @@
+"""Direct writes: in-order content chunks go from the relay straight to the connection;
+everything else keeps the queue, in order, exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from cluster.protocol import Chunk
+from gateway.direct import ConnectionWriter
+from gateway.relay import ReplyStream
+from tests.gateway.conftest import Gateway
+
+MODEL = "smollm2-135m-instruct"
+
+
+def chunk(seq: int, final: bool = False, text: str | None = None) -> Chunk:
+    return Chunk(
+        request_id="r",
+        seq=seq,
+        text=f" {seq}" if text is None else text,
+        completion_tokens=seq,
+        prompt_tokens=1,
+        finish_reason="stop" if final else None,
+    )
+
+
+class _LogInbox:
+    """What a ReplyStream asks of its inbox: the log, for gap repair."""
+
+    def __init__(self, logged: list[Chunk]) -> None:
+        self.logged = logged
+
+    async def read_log(self, request_id: str, from_seq: int) -> list[Chunk]:
+        return [c for c in self.logged if c.seq >= from_seq]
+
+
+def stream_with_sink(
+    logged: list[Chunk] | None = None, accept: int = 1_000
+) -> tuple[ReplyStream, list[int]]:
+    """A stream whose direct sink records seqs and accepts the first ``accept`` chunks."""
+    stream = ReplyStream(_LogInbox(logged or []), "r", maxsize=16)  # type: ignore[arg-type]
+    taken: list[int] = []
+
+    def sink(c: Chunk) -> bool:
+        if len(taken) >= accept:
+            return False
+        taken.append(c.seq)
+        return True
+
+    stream.direct = sink
+    return stream, taken
+
+
+async def test_content_goes_direct_while_the_reader_waits_and_the_end_is_queued() -> None:
+    stream, taken = stream_with_sink()
+    stream._deliver(chunk(1))  # before anyone waits: queued
+    chunks = stream.chunks(5.0)
+    assert (await anext(chunks)).seq == 1
+    reader = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0)  # the reader now waits, its sink armed
+    for seq in (2, 3, 4):
+        stream._deliver(chunk(seq))
+    stream._deliver(chunk(5, final=True))
+    assert (await reader).seq == 5
+    assert taken == [2, 3, 4]
+
+
+async def test_a_refused_chunk_and_everything_after_it_keep_their_order() -> None:
+    stream, taken = stream_with_sink(accept=1)
+    chunks = stream.chunks(5.0)
+    reader = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0)
+    for seq in (1, 2, 3):
+        stream._deliver(chunk(seq))
+    stream._deliver(chunk(4, final=True))
+    got = [(await reader).seq] + [c.seq async for c in chunks]
+    # 1 went direct; the sink refused 2 (its socket was backed up, say): 2 and all
+    # later chunks take the queue until the reader has caught up and waits again.
+    assert taken == [1] and got == [2, 3, 4]
+
+
+async def test_empty_and_out_of_order_chunks_take_the_queue_and_gaps_are_repaired() -> None:
+    logged = [chunk(seq) for seq in range(1, 6)]
+    stream, taken = stream_with_sink(logged)
+    chunks = stream.chunks(5.0)
+    reader = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0)
+    stream._deliver(chunk(1))
+    stream._deliver(chunk(2, text=""))  # no text: no event of its own, the reader decides
+    assert (await reader).seq == 2
+    reader = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0)
+    stream._deliver(chunk(4))  # 3 was lost on pub/sub
+    stream._deliver(chunk(5, final=True))
+    got = [(await reader).seq] + [c.seq async for c in chunks]
+    assert taken == [1] and got == [3, 4, 5]
+
+
+async def test_direct_progress_keeps_an_idle_timeout_from_firing() -> None:
+    stream, taken = stream_with_sink()
+    chunks = stream.chunks(0.2)
+    reader = asyncio.ensure_future(anext(chunks))
+    for seq in range(1, 6):  # a chunk every 0.1 s, for 0.5 s: longer than the timeout
+        await asyncio.sleep(0.1)
+        stream._deliver(chunk(seq))
+    assert not reader.done()
+    with pytest.raises(TimeoutError):  # and then nothing comes
+        await reader
+    assert taken == [1, 2, 3, 4, 5]
+
+
+async def test_no_writer_outside_uvicorns_httptools_protocol() -> None:
+    async def send(message: object) -> None:
+        pass
+
+    assert ConnectionWriter.attach(None) is None
+    assert ConnectionWriter.attach(send) is None
+
+
+async def test_a_stream_through_uvicorn_writes_its_tokens_directly(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[bytes] = []
+    original = ConnectionWriter.write
+
+    def spy(self: ConnectionWriter, data: bytes) -> bool:
+        written = original(self, data)
+        if written:
+            writes.append(data)
+        return written
+
+    monkeypatch.setattr(ConnectionWriter, "write", spy)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 40,
+        "stream": True,
+    }
+    gateway.engine.delay_s = 0.02  # the reader is waiting when each token arrives
+    try:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
+            resp = await http.post("/v1/chat/completions", json=body)
+    finally:
+        gateway.engine.delay_s = 0.002
+    datas = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    events = [json.loads(d) for d in datas[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == "".join(f" t{i}" for i in range(40))
+    # Most tokens took the direct path, and what it wrote is what the client got.
+    assert len(writes) >= 20
+    assert all(w.decode() in resp.text for w in writes)
