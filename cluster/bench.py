@@ -52,6 +52,7 @@ class Sample:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     text: str = ""
+    events: int = 0  # decoded ``data:`` events, content or not ([DONE] excluded)
 
     @property
     def tpot_s(self) -> float:
@@ -76,6 +77,7 @@ class StreamTimer:
     def event(self, body: dict[str, Any], now: float) -> bool:
         """Record one event received at ``now``; False if it was an error event."""
         sample = self.sample
+        sample.events += 1
         if "error" in body:
             sample.error = str(body["error"].get("message"))
             return False
