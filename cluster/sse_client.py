@@ -84,6 +84,14 @@ class _Response:
             except (ValueError, KeyError, TypeError, AttributeError) as exc:  # no OpenAI chunk
                 timer.sample.error = f"{type(exc).__name__}: {exc}"
 
+    def sample(self) -> Sample:
+        """The measurements of a response that has ended, its events parsed now."""
+        self.feed()
+        if self.status != 200:
+            self.timer.sample.error = f"HTTP {self.status}: {self.partial!r}"
+            return self.timer.sample
+        return self.timer.finish(self.end)
+
 
 def _feed_timer(timer: StreamTimer, payloads: list[bytes], arrivals: list[float]) -> None:
     """``json.loads`` every payload and feed the timer until an error event.
@@ -312,11 +320,7 @@ class LeanClient:
             self._idle.append(proto)
         elif proto.transport is not None:
             proto.transport.close()
-        response.feed()  # the events, parsed now that the response has ended
-        if response.status != 200:
-            response.timer.sample.error = f"HTTP {response.status}: {response.partial!r}"
-            return response.timer.sample
-        return response.timer.finish(response.end)
+        return response.sample()
 
     def close(self) -> None:
         """Close every idle connection."""
