@@ -146,6 +146,43 @@ class _StreamProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = perf_counter()
+        if self._state == _SIZE and not self._buf:
+            # The common case: this read is exactly one whole chunk (one server write).
+            eol = data.find(b"\r\n")
+            try:
+                size = int(data[:eol], 16) if eol > 0 else 0
+            except ValueError:
+                size = 0  # a chunk extension, or garbage: the general path decides
+            if size > 0 and eol + size + 4 == len(data) and data.endswith(b"\r\n"):
+                response = self._response
+                assert response is not None
+                response.times.append(now)
+                response.segments.append(data[eol + 2 : -2])
+                if len(response.times) >= _MAX_PENDING_SEGMENTS:
+                    response.feed()
+                return
+        self._parse(data, now)
+
+    # -- requests -------------------------------------------------------------------
+
+    def send(self, request: bytes) -> asyncio.Future[_Response]:
+        """Write one request; the future resolves when its response has ended."""
+        assert self.transport is not None and self._state == _IDLE
+        self._response = _Response(perf_counter())
+        self._done = asyncio.get_running_loop().create_future()
+        self._state = _HEAD
+        self.transport.write(request)
+        return self._done
+
+    @property
+    def reusable(self) -> bool:
+        """True when another request may be sent on this connection."""
+        return not self.closed and self._keep_alive and self._state == _IDLE
+
+    # -- parsing --------------------------------------------------------------------
+
+    def _parse(self, data: bytes, now: float) -> None:
+        """The general path: any state, any split of the bytes."""
         if self._buf:
             data = self._buf + data
             self._buf = b""
@@ -226,24 +263,6 @@ class _StreamProtocol(asyncio.Protocol):
                 self._done.set_exception(exc)
             if self.transport is not None:
                 self.transport.close()
-
-    # -- requests -------------------------------------------------------------------
-
-    def send(self, request: bytes) -> asyncio.Future[_Response]:
-        """Write one request; the future resolves when its response has ended."""
-        assert self.transport is not None and self._state == _IDLE
-        self._response = _Response(perf_counter())
-        self._done = asyncio.get_running_loop().create_future()
-        self._state = _HEAD
-        self.transport.write(request)
-        return self._done
-
-    @property
-    def reusable(self) -> bool:
-        """True when another request may be sent on this connection."""
-        return not self.closed and self._keep_alive and self._state == _IDLE
-
-    # -- parsing --------------------------------------------------------------------
 
     def _head(self, response: _Response, head: bytes) -> tuple[int, int]:
         """Read the status line and headers; the next state and the body's length."""

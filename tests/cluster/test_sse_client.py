@@ -49,17 +49,18 @@ def chunk(data: bytes, extension: bytes = b"") -> bytes:
 # Content in one chunk each, two events in one chunk, one event split over two chunks,
 # a chunk extension, then the finish, usage and [DONE] together and a trailer.
 FIVE = event(5, " t5")
-STREAM = (
-    HEAD
-    + chunk(event(0, " t0", role="assistant"))
-    + chunk(event(1, " t1"))
-    + chunk(event(2, " t2") + event(3, " t3"))
-    + chunk(event(4, " t4"), b";ext=1")
-    + chunk(FIVE[:20])
-    + chunk(FIVE[20:])
-    + chunk(event(5, None) + usage(6) + b"data: [DONE]\n\n")
-    + b"0\r\nx-trailer: 1\r\n\r\n"
-)
+PARTS = [
+    HEAD,
+    chunk(event(0, " t0", role="assistant")),
+    chunk(event(1, " t1")),
+    chunk(event(2, " t2") + event(3, " t3")),
+    chunk(event(4, " t4"), b";ext=1"),
+    chunk(FIVE[:20]),
+    chunk(FIVE[20:]),
+    chunk(event(5, None) + usage(6) + b"data: [DONE]\n\n"),
+    b"0\r\nx-trailer: 1\r\n\r\n",
+]
+STREAM = b"".join(PARTS)
 TEXT = "".join(f" t{i}" for i in range(6))
 
 
@@ -80,7 +81,10 @@ def run(pieces: list[bytes]) -> tuple[Sample, _StreamProtocol]:
 
 
 def splits(data: bytes) -> Iterator[list[bytes]]:
-    """Every split into two pieces, and into one-byte pieces."""
+    """Every split into two pieces, one-byte pieces, and (for the stream) one read per
+    server write, the case data_received takes a short path for."""
+    if data == STREAM:
+        yield PARTS
     for i in range(1, len(data)):
         yield [data[:i], data[i:]]
     yield [data[i : i + 1] for i in range(len(data))]
