@@ -1,14 +1,16 @@
 """A lean HTTP/1.1 streaming client for the load generator: one keep-alive connection per
-closed-loop worker, an ``asyncio.Protocol`` that de-chunks the body and splits SSE events
-in place.
+closed-loop worker, an ``asyncio.Protocol`` that de-chunks the body as it arrives and
+splits and parses the SSE events once the response has ended.
 
 Why not httpx: at thousands of concurrent streams the load generator shares the machine
 with the server it measures, and httpx's per-line iterators cost several hundred
 microseconds of CPU per event, more than the gateway itself. This client parses the same
-events (``json.loads`` of every ``data:`` line) and times them when their bytes arrive,
-so TTFT and ITL mean exactly what :func:`cluster.bench.one_request` measures, at a
-fraction of the cost. It speaks only what the benchmark needs: POST, a
-``Content-Length`` or chunked response body, keep-alive.
+events (``json.loads`` of every ``data:`` line) and times each at the arrival of the read
+that completed it, so TTFT and ITL mean exactly what :func:`cluster.bench.one_request`
+measures, at a fraction of the cost: the read path only stamps and keeps the bytes, and
+the parsing, done later, no longer delays the timestamps of the other streams' reads. It
+speaks only what the benchmark needs: POST, a ``Content-Length`` or chunked response
+body, keep-alive.
 """
 
 from __future__ import annotations
