@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import random
+import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class Sample:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     text: str = ""
+    events: int = 0  # decoded ``data:`` events, content or not ([DONE] excluded)
 
     @property
     def tpot_s(self) -> float:
@@ -76,6 +78,7 @@ class StreamTimer:
     def event(self, body: dict[str, Any], now: float) -> bool:
         """Record one event received at ``now``; False if it was an error event."""
         sample = self.sample
+        sample.events += 1
         if "error" in body:
             sample.error = str(body["error"].get("message"))
             return False
@@ -287,12 +290,21 @@ async def _lean_round(
         lean.close()
 
 
-def _round_in_process(kwargs: dict[str, Any]) -> tuple[list[Sample], float]:
-    """One share of a round in a worker process (uvloop when available)."""
+def cpu_s() -> float:
+    """CPU time (user + system) this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _round_in_process(kwargs: dict[str, Any]) -> tuple[list[Sample], float, float]:
+    """One share of a round in a worker process (uvloop when available); its samples,
+    wall time and the CPU time the process spent on the round."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     gc.freeze()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(run_round(**kwargs))
+        before = cpu_s()
+        samples, wall_s = runner.run(run_round(**kwargs))
+        return samples, wall_s, cpu_s() - before
 
 
 def _loop_factory() -> Any:
@@ -303,12 +315,15 @@ def _loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
-async def run_round_procs(procs: int, **kwargs: Any) -> tuple[list[Sample], float]:
+async def run_round_procs(procs: int, **kwargs: Any) -> tuple[list[Sample], float, float]:
     """:func:`run_round` spread over ``procs`` processes (concurrency, requests and rate
-    divided between them, each with its own seed); the samples of all, and the longest
-    wall time."""
+    divided between them, each with its own seed); the samples of all, the longest wall
+    time, and the load generator's CPU time over the round (every process's own, summed,
+    plus this one's), so a capacity run shows how much of the machine the client took."""
+    before = cpu_s()
     if procs <= 1:
-        return await run_round(**kwargs)
+        samples, wall_s = await run_round(**kwargs)
+        return samples, wall_s, cpu_s() - before
     from concurrent.futures import ProcessPoolExecutor
 
     shares = []
@@ -327,15 +342,25 @@ async def run_round_procs(procs: int, **kwargs: Any) -> tuple[list[Sample], floa
         results = await asyncio.gather(
             *(loop.run_in_executor(pool, _round_in_process, s) for s in shares)
         )
-    return [x for samples, _ in results for x in samples], max(w for _, w in results)
+    return (
+        [x for samples, _, _ in results for x in samples],
+        max(w for _, w, _ in results),
+        sum(c for _, _, c in results) + cpu_s() - before,
+    )
 
 
 def summarize(
-    samples: list[Sample], wall_s: float, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 100.0
+    samples: list[Sample],
+    wall_s: float,
+    slo_ttft_ms: float = 1000.0,
+    slo_tpot_ms: float = 100.0,
+    client_cpu_s: float | None = None,
 ) -> dict[str, Any]:
     """Percentiles (ms), throughput, goodput and error count for a set of samples.
 
-    Goodput counts only requests that met both SLOs (TTFT and TPOT), per second.
+    Goodput counts only requests that met both SLOs (TTFT and TPOT), per second. With
+    ``client_cpu_s`` (the load generator's CPU time over the rounds) also its CPU per
+    received ``data:`` event and per output token (µs).
     """
     ok = [s for s in samples if s.ok]
     itl = [x for s in ok for x in s.itl_s]
@@ -353,6 +378,13 @@ def summarize(
     out["slo_attained"] = round(len(good) / len(samples), 3) if samples else 0.0
     out["output_tokens"] = sum(s.output_tokens for s in ok)
     out["output_tokens_per_s"] = round(out["output_tokens"] / wall_s, 2) if wall_s > 0 else 0.0
+    if client_cpu_s is not None:
+        events = sum(s.events for s in samples)
+        out["client_cpu_s"] = round(client_cpu_s, 3)
+        out["client_cpu_us_per_event"] = round(client_cpu_s * 1e6 / events, 2) if events else 0.0
+        out["client_cpu_us_per_token"] = (
+            round(client_cpu_s * 1e6 / out["output_tokens"], 2) if out["output_tokens"] else 0.0
+        )
     errors = [s.error for s in samples if not s.ok]
     if errors:
         out["first_error"] = errors[0]
@@ -378,9 +410,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 client=args.client,
             )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
+    client_cpu_s = dict.fromkeys(targets, 0.0)
     for r in range(args.rounds):
         for url in targets:
-            samples, wall = await run_round_procs(
+            samples, wall, cpu = await run_round_procs(
                 args.procs,
                 url=url,
                 model=args.model,
@@ -395,6 +428,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
             before, total = collected[url]
             collected[url] = (before + samples, total + wall)
+            client_cpu_s[url] += cpu
     result: dict[str, Any] = {
         "workload": {
             "concurrency": args.concurrency,
@@ -409,7 +443,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "ramp_s": args.ramp_s,
         },
         "targets": {
-            u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms) for u in targets
+            u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_s[u])
+            for u in targets
         },
     }
     if args.plot:
@@ -507,6 +542,8 @@ def run(args: argparse.Namespace) -> int:
         "e2e_p50_ms",
         "output_tokens_per_s",
         "goodput_requests_per_s",
+        "client_cpu_us_per_event",
+        "client_cpu_us_per_token",
         "errors",
     ]
     urls = list(result["targets"])

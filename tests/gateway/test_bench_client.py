@@ -62,7 +62,7 @@ async def test_lean_client_reports_an_http_error(gateway: Gateway) -> None:
 
 
 async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway) -> None:
-    samples, wall_s = await run_round_procs(
+    samples, wall_s, cpu_s = await run_round_procs(
         2,
         url=gateway.base_url,
         model=MODEL,
@@ -75,5 +75,5 @@ async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway
         client="lean",
         ramp_s=0.1,
     )
-    assert len(samples) == 5 and wall_s > 0
+    assert len(samples) == 5 and wall_s > 0 and cpu_s > 0
     assert all(s.ok and s.output_tokens == 4 for s in samples), [s.error for s in samples]
