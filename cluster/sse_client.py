@@ -96,22 +96,8 @@ class _Response:
 
 
 def _feed_timer(timer: StreamTimer, payloads: list[bytes], arrivals: list[float]) -> None:
-    """``json.loads`` every payload and feed the timer until an error event.
-
-    All payloads are parsed in one call as one JSON array when that array holds exactly
-    one value per payload: the C scanner then runs once, sharing one memo for the keys
-    every chunk repeats, at about half the cost of a call per payload. Otherwise (a
-    payload is not JSON) each is parsed on its own, so the first bad one raises.
-    """
-    try:
-        values = json.loads(b"[" + b",".join(payloads) + b"]")
-    except ValueError:
-        values = None
-    if isinstance(values, list) and len(values) == len(payloads):
-        for value, now in zip(values, arrivals, strict=True):
-            if not timer.event(value, now):
-                return
-        return
+    """``json.loads`` every payload on its own (the first bad one raises) and feed the
+    timer, with each payload's arrival time, until an error event."""
     for payload, now in zip(payloads, arrivals, strict=True):
         if not timer.event(json.loads(payload), now):
             return
