@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import random
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from cluster import heap
 
 SYSTEM_PROMPT = (
     "You are Captain Mira Vance, the sharp-tongued but kind captain of the starship "
@@ -300,7 +301,7 @@ def _round_in_process(kwargs: dict[str, Any]) -> tuple[list[Sample], float, floa
     """One share of a round in a worker process (uvloop when available); its samples,
     wall time and the CPU time the process spent on the round."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    gc.freeze()
+    heap.settle()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         before = cpu_s()
         samples, wall_s = runner.run(run_round(**kwargs))
@@ -527,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # A full collection over the modules loaded so far takes tens of ms: the load
     # generator must not add such pauses to the latencies it measures.
-    gc.freeze()
+    heap.settle()
     # The lean client runs on uvloop, as the gateway does: less of the machine measuring.
     factory = _loop_factory() if args.client == "lean" else None
     with asyncio.Runner(loop_factory=factory) as runner:

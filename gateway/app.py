@@ -8,7 +8,6 @@ the first request can be enqueued) and loads the tokenizer.
 from __future__ import annotations
 
 import asyncio
-import gc
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from cluster import heap
 from cluster.keys import Keys
 from cluster.logging import configure_logging
 from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -152,9 +152,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             persona,
         )
         # Everything built so far (the tokenizer, transformers, the app) lives as long as
-        # the process: move it out of the collector's sight, so a full collection scans
-        # only per-request objects instead of stalling every stream for 100+ ms.
-        gc.freeze()
+        # the process: out of the collector's sight, and collections spaced out.
+        heap.settle()
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         try:
             yield

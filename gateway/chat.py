@@ -281,9 +281,7 @@ class ChatService:
                 )
                 handed_off = True
                 return StreamingResponse(
-                    self._sse(
-                        replies, fmt, first, chunks, resumable, tracker, turn, raw_send
-                    ),
+                    self._sse(replies, fmt, first, chunks, resumable, tracker, turn, raw_send),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **rate},
                 )

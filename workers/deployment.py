@@ -13,7 +13,6 @@ any replica. ``build_app(args)`` is the builder a Serve config names::
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any, Literal
 
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from cluster import heap
 from cluster.keys import Keys
 from cluster.logging import configure_logging
 from cluster.models import resolve_model
@@ -122,7 +122,7 @@ class WorkerReplica:
         await self._consumer.start()
         # Ray, the engine and this app live as long as the replica: keep them out of the
         # collector's full passes, which otherwise stall every stream's publishing.
-        gc.freeze()
+        heap.settle()
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
