@@ -110,3 +110,29 @@ async def test_a_large_step_is_split_across_calls_without_losing_order(
     finally:
         await publisher.close()
         await pubsub.aclose()
+
+
+async def test_the_first_and_the_final_chunk_set_the_log_ttl(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    publisher = Publisher(redis, keys, log_ttl_s=60)
+    streams = [_stream(f"r{i}", "inbox") for i in range(3)]
+    key = keys.log("r1")
+    await publisher.start()
+    try:
+        for step, finish in enumerate([None, None, "length"]):
+            for stream in streams:
+                stream.add(EngineOutput(f" {step}", [step], finish, prompt_tokens=1))
+                publisher.mark(stream)
+            await publisher.flush()
+            if step == 0:
+                assert 0 < await redis.pttl(key) <= 60_000
+                await redis.persist(key)  # so a later PEXPIRE shows
+            elif step == 1:
+                assert await redis.pttl(key) == -1  # a middle chunk leaves the TTL alone
+        assert 0 < await redis.pttl(key) <= 60_000
+        for stream in streams:
+            logged = await read_log(redis, keys, stream.job.id)
+            assert [c.seq for c in logged] == [1, 2, 3] and logged[-1].is_final
+    finally:
+        await publisher.close()
