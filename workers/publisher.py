@@ -197,7 +197,7 @@ class Publisher:
     def mark(self, stream: RequestStream) -> None:
         """Note that ``stream`` has something to send; wake the flusher if it is due."""
         self._dirty[stream.job.id] = stream
-        if self._is_due(stream, time.monotonic()):
+        if self._interval_s == 0.0 or self._is_due(stream, time.monotonic()):
             self._wake.set()
 
     def _is_due(self, stream: RequestStream, now_s: float) -> bool:
@@ -238,15 +238,19 @@ class Publisher:
     def _collect(self, now_s: float) -> list[Outgoing]:
         batch, self._unsent = self._unsent, []
         sent_ms = time.time() * 1000.0  # one clock read per flush, not per chunk
-        for request_id, stream in list(self._dirty.items()):
-            if self._is_due(stream, now_s):
+        if self._interval_s == 0.0:
+            due, self._dirty = self._dirty, {}  # without an interval, all marked are due
+        else:
+            due = {rid: s for rid, s in self._dirty.items() if self._is_due(s, now_s)}
+            for request_id in due:
                 del self._dirty[request_id]
-                stream.last_sent_s = now_s
-                if not stream.log_key:
-                    stream.log_key = self._keys.log(request_id).encode()
-                first = stream.seq == 0
-                data = stream.take(self._encoder, sent_ms)
-                batch.append(Outgoing(stream, data, first, stream.finished))
+        for request_id, stream in due.items():
+            stream.last_sent_s = now_s
+            if not stream.log_key:
+                stream.log_key = self._keys.log(request_id).encode()
+            first = stream.seq == 0
+            data = stream.take(self._encoder, sent_ms)
+            batch.append(Outgoing(stream, data, first, stream.finished))
         return batch
 
     async def _send(self, batch: list[Outgoing]) -> None:
