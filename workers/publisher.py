@@ -35,25 +35,46 @@ log = structlog.get_logger(__name__)
 # Bounds one Lua call (Redis runs nothing else meanwhile): about a millisecond of XADDs.
 MAX_CHUNKS_PER_CALL = 256
 
-# KEYS: one log key per chunk. ARGV: maxlen, ttl_ms, the log's field name, the number n of
-# inbox messages, the number m of logs whose TTL to set (first and final chunks), then n
-# (channel, payload) pairs, then m indices into KEYS, then the encoded chunk of each key.
+# ARGV: maxlen, ttl_ms, the log's field name, the number n of inbox messages, then n
+# (channel, payload) pairs, then the indices into KEYS of the logs whose TTL to set (first
+# and final chunks). KEYS: the log key of every chunk, in the order the payloads hold them.
+# Each payload is an encoded ChunkBatch, [kind, version, [chunk, ...]] (cluster.protocol);
+# the script logs each chunk's bytes from it, so every chunk crosses the wire once.
 # Every chunk is logged before anything is published: whatever a client may have seen is
 # then in the log, so a retry on another worker never repeats or skips text.
 _PUBLISH = """
-local maxlen, ttl, field = ARGV[1], ARGV[2], ARGV[3]
-local n, m = tonumber(ARGV[4]), tonumber(ARGV[5])
-local base = 5 + 2 * n + m
-for i, key in ipairs(KEYS) do
-  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', field, ARGV[base + i])
+local maxlen, ttl, field, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local byte, sub = string.byte, string.sub
+local k = 0
+for j = 1, n do
+  local payload = ARGV[4 + 2 * j]
+  -- The items array's header follows the fixarray header, the kind (fixstr "chunks")
+  -- and the version (fixint): 9 bytes. Each item is a msgpack bin 8, 16 or 32.
+  local head, pos = byte(payload, 10), 11
+  if head == 0xdc then pos = 13 elseif head == 0xdd then pos = 15 end
+  local size = #payload
+  while pos <= size do
+    local tag, a, b, c, d = byte(payload, pos, pos + 4)
+    local len
+    if tag == 0xc4 then
+      len, pos = a, pos + 2
+    elseif tag == 0xc5 then
+      len, pos = a * 256 + b, pos + 3
+    else
+      len, pos = ((a * 256 + b) * 256 + c) * 256 + d, pos + 5
+    end
+    k = k + 1
+    redis.call('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', field, sub(payload, pos, pos + len - 1))
+    pos = pos + len
+  end
 end
-for j = 5 + 2 * n + 1, base do
+for j = 5 + 2 * n, #ARGV do
   redis.call('PEXPIRE', KEYS[tonumber(ARGV[j])], ttl)
 end
 for j = 1, n do
-  redis.call('PUBLISH', ARGV[4 + 2 * j], ARGV[5 + 2 * j])
+  redis.call('PUBLISH', ARGV[3 + 2 * j], ARGV[4 + 2 * j])
 end
-return #KEYS
+return k
 """
 
 
@@ -280,30 +301,27 @@ class Publisher:
 
     async def _send_part(self, part: list[Outgoing]) -> None:
         """Log and publish ``part`` in one Lua call."""
-        keys: list[bytes] = []
-        datas: list[bytes] = []
-        expiring: list[int] = []
-        inboxes: dict[str, list[bytes]] = {}
-        for i, out in enumerate(part, 1):
-            keys.append(out.stream.log_key)
-            datas.append(out.data)
-            if out.first or out.final:
-                expiring.append(i)
-            inbox = inboxes.get(out.stream.job.reply_to)
-            if inbox is None:
-                inboxes[out.stream.job.reply_to] = [out.data]
+        inboxes: dict[str, list[Outgoing]] = {}
+        for out in part:
+            outs = inboxes.get(out.stream.job.reply_to)
+            if outs is None:
+                inboxes[out.stream.job.reply_to] = [out]
             else:
-                inbox.append(out.data)
+                outs.append(out)
+        keys: list[bytes] = []
+        expiring: list[int] = []
         args: list[bytes | str | int] = [
             self._log_maxlen,
             self._log_ttl_ms,
             LOG_FIELD,
             len(inboxes),
-            len(expiring),
         ]
-        for channel, items in inboxes.items():
+        for channel, outs in inboxes.items():
+            for out in outs:
+                keys.append(out.stream.log_key)
+                if out.first or out.final:
+                    expiring.append(len(keys))
             args.append(channel)
-            args.append(self._encoder.batch(items))
+            args.append(self._encoder.batch([out.data for out in outs]))
         args.extend(expiring)
-        args.extend(datas)
         await self._script(keys=keys, args=args)
