@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from cluster.protocol import Job
 from tests.polling import Signal
-from workers.engine import EngineOutput
+from workers.engine import EngineOutput, OutputSink
 
 
 class FakeEngine:
@@ -77,3 +77,20 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+class FakePushEngine(FakeEngine):
+    """:class:`FakeEngine` through the push path (:class:`workers.engine.PushEngine`): a
+    task of the engine's own calls the sink, as the simulator's step loop does, so the
+    consumer's tests run against both ways of receiving outputs."""
+
+    async def generate_into(self, job: Job, priority: int, sink: OutputSink) -> None:
+        async def feed() -> None:
+            async for out in self.generate(job, priority):
+                sink(out)
+
+        task = asyncio.create_task(feed(), name=f"fake-engine-{job.id}")
+        try:
+            await task
+        finally:
+            task.cancel()

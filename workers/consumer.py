@@ -11,6 +11,7 @@ claims again, so continuous batching stays full.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -27,7 +28,7 @@ from cluster.metrics import WorkerMetrics, render_worker_metrics, run_worker_exp
 from cluster.protocol import Cancel, Job, WorkerStats
 from cluster.queue import JobQueue, Poison, QueuePolicy
 from cluster.redis import connect
-from workers.engine import Engine, engine_priority
+from workers.engine import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
 from workers.pacing import StartPacer
 from workers.publisher import Publisher, RequestStream
@@ -268,16 +269,12 @@ class Consumer:
                     f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
                     "past its latency budget"
                 )
-            async for out in self._engine.generate(job, priority=engine_priority(job)):
-                if stream.seq == 0 and not stream.pending_ids:
-                    stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
-                    if job.priority_class != "batch":
-                        # Admission estimates latency-bound work: long batch prefills
-                        # (multi-turn backfills) must not make it look infeasible.
-                        self._note_prefill(stream.prefill_ms)
-                stream.add(out)
-                self._tokens_since_beat += len(out.token_ids)
-                self._publisher.mark(stream)
+            await run_generation(
+                self._engine,
+                job,
+                engine_priority(job),
+                functools.partial(self._on_output, stream, started_s),
+            )
             if not stream.finished:
                 stream.finish_reason = "stop"
                 self._publisher.mark(stream)
@@ -327,6 +324,20 @@ class Consumer:
             completion_tokens=stream.completion_tokens,
         )
         structlog.contextvars.unbind_contextvars("request_id", "tenant")
+
+    def _on_output(self, stream: RequestStream, started_s: float, out: EngineOutput) -> None:
+        """Take one engine output of ``stream``'s job: called once per step and request,
+        so it does only what each token needs."""
+        assert self._publisher is not None
+        if stream.seq == 0 and not stream.pending_ids:
+            stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
+            if stream.job.priority_class != "batch":
+                # Admission estimates latency-bound work: long batch prefills
+                # (multi-turn backfills) must not make it look infeasible.
+                self._note_prefill(stream.prefill_ms)
+        stream.add(out)
+        self._tokens_since_beat += len(out.token_ids)
+        self._publisher.mark(stream)
 
     async def _hand_back(self, stream: RequestStream) -> None:
         """Requeue a job this worker is giving up on (shutdown), after its pending text

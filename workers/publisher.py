@@ -25,9 +25,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from cluster import protocol
 from cluster.keys import Keys
-from cluster.protocol import Chunk, ChunkBatch, Job
+from cluster.protocol import ChunkEncoder, Job
 from cluster.replylog import LOG_FIELD
 from workers.engine import EngineOutput
 
@@ -36,24 +35,46 @@ log = structlog.get_logger(__name__)
 # Bounds one Lua call (Redis runs nothing else meanwhile): about a millisecond of XADDs.
 MAX_CHUNKS_PER_CALL = 256
 
-# KEYS: one log key per chunk. ARGV: maxlen, ttl_ms, the log's field name, the number n of
-# inbox messages, then n (channel, payload) pairs, then per chunk (the encoded chunk, and
-# "1" to set the log's TTL).
+# ARGV: maxlen, ttl_ms, the log's field name, the number n of inbox messages, then n
+# (channel, payload) pairs, then the indices into KEYS of the logs whose TTL to set (first
+# and final chunks). KEYS: the log key of every chunk, in the order the payloads hold them.
+# Each payload is an encoded ChunkBatch, [kind, version, [chunk, ...]] (cluster.protocol);
+# the script logs each chunk's bytes from it, so every chunk crosses the wire once.
 # Every chunk is logged before anything is published: whatever a client may have seen is
 # then in the log, so a retry on another worker never repeats or skips text.
 _PUBLISH = """
 local maxlen, ttl, field, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local base = 4 + 2 * n
-for i, key in ipairs(KEYS) do
-  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', field, ARGV[base + 2 * i - 1])
-  if ARGV[base + 2 * i] == '1' then
-    redis.call('PEXPIRE', key, ttl)
+local byte, sub = string.byte, string.sub
+local k = 0
+for j = 1, n do
+  local payload = ARGV[4 + 2 * j]
+  -- The items array's header follows the fixarray header, the kind (fixstr "chunks")
+  -- and the version (fixint): 9 bytes. Each item is a msgpack bin 8, 16 or 32.
+  local head, pos = byte(payload, 10), 11
+  if head == 0xdc then pos = 13 elseif head == 0xdd then pos = 15 end
+  local size = #payload
+  while pos <= size do
+    local tag, a, b, c, d = byte(payload, pos, pos + 4)
+    local len
+    if tag == 0xc4 then
+      len, pos = a, pos + 2
+    elseif tag == 0xc5 then
+      len, pos = a * 256 + b, pos + 3
+    else
+      len, pos = ((a * 256 + b) * 256 + c) * 256 + d, pos + 5
+    end
+    k = k + 1
+    redis.call('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', field, sub(payload, pos, pos + len - 1))
+    pos = pos + len
   end
+end
+for j = 5 + 2 * n, #ARGV do
+  redis.call('PEXPIRE', KEYS[tonumber(ARGV[j])], ttl)
 end
 for j = 1, n do
   redis.call('PUBLISH', ARGV[3 + 2 * j], ARGV[4 + 2 * j])
 end
-return #KEYS
+return k
 """
 
 
@@ -77,6 +98,8 @@ class RequestStream:
     last_sent_s: float = 0.0
     # Set when the final chunk has been written to Redis.
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The log's key, encoded once (set by the publisher on the first chunk).
+    log_key: bytes = b""
 
     @property
     def finished(self) -> bool:
@@ -99,28 +122,39 @@ class RequestStream:
         self.error_code = code
         self.error_message = message
 
-    def take(self) -> Chunk:
-        """Turn everything pending into the next chunk."""
+    def take(self, encoder: ChunkEncoder, sent_ms: float) -> bytes:
+        """Turn everything pending into the next chunk, encoded."""
         self.seq += 1
-        chunk = Chunk(
-            request_id=self.job.id,
-            seq=self.seq + self.job.resume_seq,
-            text="".join(self.pending_text),
-            completion_tokens=self.completion_tokens,
-            prompt_tokens=self.prompt_tokens,
-            finish_reason=self.finish_reason,
-            error_code=self.error_code,
-            error_message=self.error_message,
-            cached_tokens=self.cached_tokens,
-            worker_id=self.worker_id,
-            queue_ms=self.queue_ms,
-            prefill_ms=self.prefill_ms,
-            token_ids=list(self.pending_ids),
-            sent_ms=time.time() * 1000.0,
+        data = encoder.chunk(
+            self.job.id,
+            self.seq + self.job.resume_seq,
+            "".join(self.pending_text),
+            self.completion_tokens,
+            self.prompt_tokens,
+            self.finish_reason,
+            self.error_code,
+            self.error_message,
+            self.cached_tokens,
+            self.worker_id,
+            self.queue_ms,
+            self.prefill_ms,
+            self.pending_ids,
+            sent_ms,
         )
         self.pending_text.clear()
         self.pending_ids.clear()
-        return chunk
+        return data
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One encoded chunk on its way to Redis."""
+
+    stream: RequestStream
+    data: bytes
+    # The stream's first chunk (of this worker) or its final one: both set the log's TTL.
+    first: bool
+    final: bool
 
 
 class Publisher:
@@ -142,7 +176,8 @@ class Publisher:
         self._log_maxlen = log_maxlen
         self._script = redis.register_script(_PUBLISH)
         self._dirty: dict[str, RequestStream] = {}
-        self._unsent: list[tuple[RequestStream, Chunk]] = []
+        self._unsent: list[Outgoing] = []
+        self._encoder = ChunkEncoder()
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()
         self._sending = False
@@ -178,12 +213,12 @@ class Publisher:
         worker, which continues the reply from the log; a late chunk from here would
         repeat or contradict it."""
         self._dirty.pop(request_id, None)
-        self._unsent = [(s, c) for s, c in self._unsent if c.request_id != request_id]
+        self._unsent = [o for o in self._unsent if o.stream.job.id != request_id]
 
     def mark(self, stream: RequestStream) -> None:
         """Note that ``stream`` has something to send; wake the flusher if it is due."""
         self._dirty[stream.job.id] = stream
-        if self._is_due(stream, time.monotonic()):
+        if self._interval_s == 0.0 or self._is_due(stream, time.monotonic()):
             self._wake.set()
 
     def _is_due(self, stream: RequestStream, now_s: float) -> bool:
@@ -221,16 +256,25 @@ class Publisher:
         soonest = min(s.last_sent_s + self._interval_s for s in self._dirty.values())
         return max(0.0, soonest - now)
 
-    def _collect(self, now_s: float) -> list[tuple[RequestStream, Chunk]]:
+    def _collect(self, now_s: float) -> list[Outgoing]:
         batch, self._unsent = self._unsent, []
-        for request_id, stream in list(self._dirty.items()):
-            if self._is_due(stream, now_s):
+        sent_ms = time.time() * 1000.0  # one clock read per flush, not per chunk
+        if self._interval_s == 0.0:
+            due, self._dirty = self._dirty, {}  # without an interval, all marked are due
+        else:
+            due = {rid: s for rid, s in self._dirty.items() if self._is_due(s, now_s)}
+            for request_id in due:
                 del self._dirty[request_id]
-                stream.last_sent_s = now_s
-                batch.append((stream, stream.take()))
+        for request_id, stream in due.items():
+            stream.last_sent_s = now_s
+            if not stream.log_key:
+                stream.log_key = self._keys.log(request_id).encode()
+            first = stream.seq == 0
+            data = stream.take(self._encoder, sent_ms)
+            batch.append(Outgoing(stream, data, first, stream.finished))
         return batch
 
-    async def _send(self, batch: list[tuple[RequestStream, Chunk]]) -> None:
+    async def _send(self, batch: list[Outgoing]) -> None:
         written = 0
         error: RedisError | None = None
         try:
@@ -240,9 +284,9 @@ class Publisher:
                 written += len(part)
         except RedisError as exc:
             error = exc
-        for stream, chunk in batch[:written]:
-            if chunk.finish_reason is not None:
-                stream.done.set()
+        for out in batch[:written]:
+            if out.final:
+                out.stream.done.set()
         if error is not None:
             # Keep the chunks not yet written, in order, and try again: nothing is dropped,
             # and the parts already logged are not logged twice.
@@ -255,25 +299,29 @@ class Publisher:
             self._failing = False
             log.info("publishing again", chunks=len(batch))
 
-    async def _send_part(self, part: list[tuple[RequestStream, Chunk]]) -> None:
+    async def _send_part(self, part: list[Outgoing]) -> None:
         """Log and publish ``part`` in one Lua call."""
-        keys: list[str] = []
-        per_chunk: list[bytes | str] = []
-        inboxes: dict[str, list[bytes]] = {}
-        for stream, chunk in part:
-            data = protocol.encode(chunk)
-            keys.append(self._keys.log(chunk.request_id))
-            per_chunk.append(data)
-            per_chunk.append("1" if stream.seq == 1 or chunk.finish_reason is not None else "0")
-            inboxes.setdefault(stream.job.reply_to, []).append(data)
+        inboxes: dict[str, list[Outgoing]] = {}
+        for out in part:
+            outs = inboxes.get(out.stream.job.reply_to)
+            if outs is None:
+                inboxes[out.stream.job.reply_to] = [out]
+            else:
+                outs.append(out)
+        keys: list[bytes] = []
+        expiring: list[int] = []
         args: list[bytes | str | int] = [
             self._log_maxlen,
             self._log_ttl_ms,
             LOG_FIELD,
             len(inboxes),
         ]
-        for channel, items in inboxes.items():
+        for channel, outs in inboxes.items():
+            for out in outs:
+                keys.append(out.stream.log_key)
+                if out.first or out.final:
+                    expiring.append(len(keys))
             args.append(channel)
-            args.append(protocol.encode(ChunkBatch(items)))
-        args.extend(per_chunk)
+            args.append(self._encoder.batch([out.data for out in outs]))
+        args.extend(expiring)
         await self._script(keys=keys, args=args)

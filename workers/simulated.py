@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.protocol import Job
-from workers.engine import EngineOutput
+from workers.engine import EngineOutput, OutputSink
 
 _VOCAB = 997
 
@@ -51,41 +51,69 @@ class _Running:
     job: Job
     position: int
     remaining: int
+    # Receives this request's outputs from the step loop (see workers.engine.PushEngine).
+    sink: OutputSink
+    # Resolved when the reply ended (or with the exception its sink raised).
+    ended: asyncio.Future[None]
+    prompt_tokens: int
+    # The part of simulated_token that depends on the prompt alone.
+    prompt_sum: int
     prefilled: bool = False
-    out: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
 
 
 class SimulatedEngine:
-    """Implements :class:`workers.engine.Engine` with a timing model."""
+    """Implements :class:`workers.engine.PushEngine` with a timing model."""
 
     def __init__(self, config: SimulatedConfig) -> None:
         self._config = config
         self._running: dict[str, _Running] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._texts = [simulated_text(token) for token in range(_VOCAB)]
 
     @property
     def max_slots(self) -> int:
         return self._config.max_num_seqs
 
     async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
+        outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        state = self._admit(job, outputs.put_nowait)
+        try:
+            while True:
+                out = await outputs.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            self._leave(state)
+
+    async def generate_into(self, job: Job, priority: int, sink: OutputSink) -> None:
+        state = self._admit(job, sink)
+        try:
+            await state.ended
+        finally:
+            self._leave(state)
+
+    def _admit(self, job: Job, sink: OutputSink) -> _Running:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._step_loop(), name="simulated-engine")
         state = _Running(
             job=job,
             position=len(job.resume_token_ids),
             remaining=job.max_tokens - len(job.resume_token_ids),
+            sink=sink,
+            ended=asyncio.get_running_loop().create_future(),
+            prompt_tokens=len(job.prompt_token_ids),
+            prompt_sum=sum(job.prompt_token_ids),
         )
         self._running[job.id] = state
         self._wake.set()
-        try:
-            while True:
-                out = await state.out.get()
-                yield out
-                if out.finish_reason is not None:
-                    return
-        finally:
-            self._running.pop(job.id, None)
+        return state
+
+    def _leave(self, state: _Running) -> None:
+        # Only this request's own entry: a retry of the same job may have replaced it.
+        if self._running.get(state.job.id) is state:
+            del self._running[state.job.id]
 
     async def _step_loop(self) -> None:
         cfg = self._config
@@ -97,7 +125,7 @@ class SimulatedEngine:
                 await self._wake.wait()
                 next_step_s = loop.time()
             batch = list(self._running.values())
-            prefill = sum(len(r.job.prompt_token_ids) for r in batch if not r.prefilled)
+            prefill = sum(r.prompt_tokens for r in batch if not r.prefilled)
             step_ms = cfg.step_base_ms + cfg.step_ms_per_seq * len(batch)
             # Steps keep their own cadence: the time this process spends handing outputs
             # on (the consumer, the publisher) does not lengthen the modelled step, as
@@ -108,21 +136,33 @@ class SimulatedEngine:
             if next_step_s < now_s:
                 next_step_s = now_s
             await asyncio.sleep(next_step_s - now_s)
-            for r in batch:
-                if r.job.id not in self._running or r.remaining <= 0:
-                    continue
-                r.prefilled = True
-                token = simulated_token(r.job.prompt_token_ids, r.position)
-                r.position += 1
-                r.remaining -= 1
-                r.out.put_nowait(
-                    EngineOutput(
-                        text=simulated_text(token),
-                        token_ids=[token],
-                        finish_reason="length" if r.remaining <= 0 else None,
-                        prompt_tokens=len(r.job.prompt_token_ids),
-                    )
-                )
+            self._step(batch)
+
+    def _step(self, batch: list[_Running]) -> None:
+        """Advance every request of ``batch`` still running by one token."""
+        running, texts = self._running, self._texts
+        for r in batch:
+            if r.remaining <= 0 or running.get(r.job.id) is not r:
+                continue
+            r.prefilled = True
+            token = (r.prompt_sum * 31 + r.position * 7) % _VOCAB  # simulated_token
+            r.position += 1
+            r.remaining -= 1
+            out = EngineOutput(
+                text=texts[token],
+                token_ids=[token],
+                finish_reason="length" if r.remaining <= 0 else None,
+                prompt_tokens=r.prompt_tokens,
+            )
+            try:
+                r.sink(out)
+            except Exception as exc:  # the sink's failure ends its request, not the engine
+                r.remaining = 0
+                if not r.ended.done():
+                    r.ended.set_exception(exc)
+                continue
+            if out.finish_reason is not None and not r.ended.done():
+                r.ended.set_result(None)
 
     async def abort(self, request_id: str) -> None:
         self._running.pop(request_id, None)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import msgpack
 import pytest
 
@@ -85,3 +88,34 @@ def test_a_chunk_batch_rejects_what_is_not_a_chunk() -> None:
         protocol.decode_chunks(protocol.encode(ChunkBatch([protocol.encode(Cancel("r"))])))
     with pytest.raises(ProtocolError, match="items must be encoded chunks"):
         protocol.decode_chunks(msgpack.packb(["chunks", protocol.VERSION, [1, 2]]))
+
+
+def test_chunk_encoder_writes_the_bytes_of_encode() -> None:
+    # Every field distinct from its default, so a field out of order cannot go unseen.
+    chunk = Chunk(
+        request_id="r1",
+        seq=7,
+        text=" héllo",
+        completion_tokens=9,
+        prompt_tokens=65,
+        finish_reason="error",
+        error_code="internal_error",
+        error_message="boom",
+        cached_tokens=3,
+        worker_id="w-1",
+        queue_ms=1.5,
+        prefill_ms=2.25,
+        token_ids=[4, 5],
+        sent_ms=1_790_000_000_123.5,
+    )
+    encoder = protocol.ChunkEncoder()
+    values = {f.name: getattr(chunk, f.name) for f in dataclasses.fields(chunk)}
+    assert list(inspect.signature(encoder.chunk).parameters) == list(values)
+    data = encoder.chunk(**values)
+    assert data == protocol.encode(chunk)
+    assert protocol.decode(data) == chunk
+    plain = Chunk(request_id="r2", seq=1, text="", completion_tokens=0, prompt_tokens=0)
+    assert encoder.chunk(**{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)}) == (
+        protocol.encode(plain)
+    )
+    assert encoder.batch([data, data]) == protocol.encode(ChunkBatch([data, data]))

@@ -13,7 +13,7 @@ from cluster import protocol
 from cluster.keys import Keys
 from cluster.protocol import Chunk, Job, WorkerStats
 from cluster.queue import JobQueue
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, FakePushEngine
 from tests.polling import Signal, eventually
 from workers.consumer import Consumer, ConsumerConfig
 
@@ -78,9 +78,12 @@ class Inbox:
         return self.chunks[request_id]
 
 
-@pytest.fixture
-async def engine() -> FakeEngine:
-    return FakeEngine(max_slots=2)
+@pytest.fixture(params=[FakeEngine, FakePushEngine], ids=["generator", "push"])
+async def engine(request: pytest.FixtureRequest) -> FakeEngine:
+    """Every consumer test runs with outputs iterated from ``generate`` and with outputs
+    pushed by the engine (workers.engine.run_generation): the behaviour must not differ."""
+    engine_cls: type[FakeEngine] = request.param
+    return engine_cls(max_slots=2)
 
 
 @pytest.fixture

@@ -110,3 +110,55 @@ async def test_a_large_step_is_split_across_calls_without_losing_order(
     finally:
         await publisher.close()
         await pubsub.aclose()
+
+
+async def test_the_first_and_the_final_chunk_set_the_log_ttl(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    publisher = Publisher(redis, keys, log_ttl_s=60)
+    streams = [_stream(f"r{i}", "inbox") for i in range(3)]
+    key = keys.log("r1")
+    await publisher.start()
+    try:
+        for step, finish in enumerate([None, None, "length"]):
+            for stream in streams:
+                stream.add(EngineOutput(f" {step}", [step], finish, prompt_tokens=1))
+                publisher.mark(stream)
+            await publisher.flush()
+            if step == 0:
+                assert 0 < await redis.pttl(key) <= 60_000
+                await redis.persist(key)  # so a later PEXPIRE shows
+            elif step == 1:
+                assert await redis.pttl(key) == -1  # a middle chunk leaves the TTL alone
+        assert 0 < await redis.pttl(key) <= 60_000
+        for stream in streams:
+            logged = await read_log(redis, keys, stream.job.id)
+            assert [c.seq for c in logged] == [1, 2, 3] and logged[-1].is_final
+    finally:
+        await publisher.close()
+
+
+async def test_chunks_of_every_size_are_logged_from_the_inbox_message(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    # The Lua call cuts each chunk out of its inbox's ChunkBatch: more than 15 chunks (a
+    # 16-bit array header) and chunks of 8-, 16- and 32-bit lengths must all come out whole.
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("inbox")
+    publisher = Publisher(redis, keys)
+    streams = [_stream(f"r{i}", "inbox") for i in range(20)]
+    texts = {s.job.id: " x" for s in streams} | {"r1": "é" * 200, "r2": "y" * 70_000}
+    try:
+        for stream in streams:
+            stream.add(EngineOutput(texts[stream.job.id], [1], None, prompt_tokens=1))
+            publisher.mark(stream)
+        await publisher.start()
+        await publisher.flush()
+        [message] = await _published(pubsub)
+        assert [c.text for c in message] == [texts[s.job.id] for s in streams]
+        for stream in streams:
+            (logged,) = await read_log(redis, keys, stream.job.id)
+            assert logged.text == texts[stream.job.id]
+    finally:
+        await publisher.close()
+        await pubsub.aclose()
