@@ -26,7 +26,9 @@ With several gateways, each one's page repeats the worker series (with its own
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -41,7 +43,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -80,6 +82,75 @@ RELAY_BUCKETS = (
 )  # fmt: skip
 
 
+class TokenSeries:
+    """One series of a :class:`TokenHistogram`: bucket counts and a sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count ``value`` in the first bucket whose bound is at least ``value``."""
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class TokenHistogram(Collector):
+    """A Prometheus histogram for observations made once per token.
+
+    prometheus_client's ``Histogram.observe`` takes a lock for the bucket and another for
+    the sum and scans the buckets linearly (about 1.3 µs); a gateway relaying tens of
+    thousands of tokens a second spent a tenth of its CPU there. This one bisects and
+    increments a list slot. Observe from one thread only (the event loop); a scrape from
+    another thread may see the sum one observation apart from the counts.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Iterable[str],
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = tuple(b for b in buckets if not math.isinf(b))
+        self._series: dict[tuple[str, ...], TokenSeries] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> TokenSeries:
+        """The series of these label values (made on first use)."""
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values}")
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = TokenSeries(self._bounds)
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            self._name, self._documentation, labels=list(self._labelnames)
+        )
+        for values, series in list(self._series.items()):
+            counts, total = list(series.counts), series.sum
+            cumulative, buckets = 0, []
+            for bound, count in zip((*self._bounds, math.inf), counts, strict=True):
+                cumulative += count
+                buckets.append((_bound_text(bound), cumulative))
+            family.add_metric(list(values), buckets, total)
+        yield family
+
+
+def _bound_text(bound: float) -> str:
+    """A bucket bound as prometheus_client writes it (``0.05``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
 def _known(value: str | None, allowed: tuple[str, ...]) -> str:
     """``value`` if allowed, else ``other``: label values stay a small fixed set."""
     return value if value in allowed else OTHER
@@ -100,7 +171,7 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self._itl = Histogram(
+        self._itl = TokenHistogram(
             "charserve_itl_seconds",
             "Gap between successive content chunks written to a client (one chunk may "
             "carry several tokens when the worker coalesces).",
@@ -122,10 +193,11 @@ class GatewayMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
-        self._relay_lag = Histogram(
+        self._relay_lag = TokenHistogram(
             "charserve_relay_lag_seconds",
             "A chunk's publication by its worker (or its receipt by this gateway's inbox) "
             "to its write to the client.",
+            (),
             buckets=RELAY_BUCKETS,
             registry=r,
         )
@@ -160,7 +232,7 @@ class GatewayMetrics:
         self.itl = {p: self._itl.labels(p) for p in (*PRIORITIES, OTHER)}
         self.queue_wait = {p: self._queue_wait.labels(p) for p in (*PRIORITIES, OTHER)}
         self.e2e = {p: self._e2e.labels(p) for p in (*PRIORITIES, OTHER)}
-        self.relay_lag = self._relay_lag
+        self.relay_lag = self._relay_lag.labels()
         for p in PRIORITIES:
             self._admission.labels(p, "admitted", "")
             for reason in DROP_REASONS:

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.keys import Keys
 from cluster.metrics import (
+    ITL_BUCKETS,
     GatewayMetrics,
+    TokenHistogram,
     WorkerMetrics,
     chunk_outcome,
     publish_worker_metrics,
@@ -300,3 +302,23 @@ def test_dashboard_uses_only_metrics_that_exist() -> None:
     for needed in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                    "prefix_cache_hits_total", "generation_tokens_total"):  # fmt: skip
         assert f"vllm:{needed}" in used
+
+
+@pytest.mark.parametrize("labels", [(), ("priority",)])
+def test_token_histogram_exposes_what_prometheus_clients_histogram_does(
+    labels: tuple[str, ...],
+) -> None:
+    reference, ours = CollectorRegistry(), CollectorRegistry()
+    expected = Histogram("x_seconds", "doc", labels, buckets=ITL_BUCKETS, registry=reference)
+    fast = TokenHistogram("x_seconds", "doc", labels, ITL_BUCKETS, ours)
+    values = ("standard",) if labels else ()
+    # Below, on and between bounds, and past the last one.
+    for v in (0.0, 0.001, 0.0011, 0.05, 0.07, 0.05, 3.0, 9.0):
+        (expected.labels(*values) if labels else expected).observe(v)
+        fast.labels(*values).observe(v)
+    want = [
+        line for line in generate_latest(reference).decode().splitlines() if "_created" not in line
+    ]
+    assert generate_latest(ours).decode().splitlines() == want
+    with pytest.raises(ValueError):
+        fast.labels("a", "b")
