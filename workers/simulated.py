@@ -2,14 +2,7 @@
 
 It models continuous batching without a model: one step advances every running request by
 one token, and a step takes ``step_base_ms + step_ms_per_seq * batch`` plus
-``prefill_ms_per_token`` for each prompt token of requests that join in that step.
-
-``engine_phases`` > 1 stands for that many engines stepping out of phase with each other,
-as a gateway in front of a fleet of replicas sees them: requests are dealt round-robin to
-the phases, and the loop steps one phase every ``1 / engine_phases`` of a step, so every
-request still gets one token per step but the tokens of all requests no longer arrive in
-one burst. With 1 (the default) every running request advances in the same step: one
-engine's burst, the worst case for everything downstream. Tokens
+``prefill_ms_per_token`` for each prompt token of requests that join in that step. Tokens
 are a deterministic function of the request's prompt and position, so a reply continued on
 another replica after a failover is the same text an uninterrupted one would have been.
 
@@ -41,7 +34,6 @@ class SimulatedConfig(BaseModel):
     step_base_ms: float = Field(default=20.0, ge=0)
     step_ms_per_seq: float = Field(default=1.0, ge=0)
     prefill_ms_per_token: float = Field(default=0.05, ge=0)
-    engine_phases: int = Field(default=1, ge=1, le=1024)
 
 
 def simulated_token(prompt_token_ids: list[int], position: int) -> int:
@@ -66,8 +58,6 @@ class _Running:
     prompt_tokens: int
     # The part of simulated_token that depends on the prompt alone.
     prompt_sum: int
-    # The phase group this request steps with (see engine_phases).
-    phase: int = 0
     prefilled: bool = False
 
 
@@ -77,9 +67,6 @@ class SimulatedEngine:
     def __init__(self, config: SimulatedConfig) -> None:
         self._config = config
         self._running: dict[str, _Running] = {}
-        # The running requests by phase (each also in _running).
-        self._phases: list[dict[str, _Running]] = [{} for _ in range(config.engine_phases)]
-        self._next_phase = 0
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._texts = [simulated_text(token) for token in range(_VOCAB)]
@@ -118,49 +105,33 @@ class SimulatedEngine:
             ended=asyncio.get_running_loop().create_future(),
             prompt_tokens=len(job.prompt_token_ids),
             prompt_sum=sum(job.prompt_token_ids),
-            phase=self._next_phase,
         )
-        self._next_phase = (self._next_phase + 1) % len(self._phases)
-        replaced = self._running.get(job.id)
-        if replaced is not None:
-            self._forget(replaced)
         self._running[job.id] = state
-        self._phases[state.phase][job.id] = state
         self._wake.set()
         return state
 
     def _leave(self, state: _Running) -> None:
         # Only this request's own entry: a retry of the same job may have replaced it.
-        self._forget(state)
-
-    def _forget(self, state: _Running) -> None:
-        request_id = state.job.id
-        if self._running.get(request_id) is state:
-            del self._running[request_id]
-        phase = self._phases[state.phase]
-        if phase.get(request_id) is state:
-            del phase[request_id]
+        if self._running.get(state.job.id) is state:
+            del self._running[state.job.id]
 
     async def _step_loop(self) -> None:
         cfg = self._config
         loop = asyncio.get_running_loop()
-        phases = len(self._phases)
-        phase = 0
         next_step_s = loop.time()
         while True:
             if not self._running:
                 self._wake.clear()
                 await self._wake.wait()
                 next_step_s = loop.time()
-            batch = list(self._phases[phase].values())
-            phase = (phase + 1) % phases
+            batch = list(self._running.values())
             prefill = sum(r.prompt_tokens for r in batch if not r.prefilled)
             step_ms = cfg.step_base_ms + cfg.step_ms_per_seq * len(batch)
             # Steps keep their own cadence: the time this process spends handing outputs
             # on (the consumer, the publisher) does not lengthen the modelled step, as
             # vLLM's engine core steps in its own process. A late step starts at once but
             # is never made up for.
-            next_step_s += (step_ms + cfg.prefill_ms_per_token * prefill) / 1000.0 / phases
+            next_step_s += (step_ms + cfg.prefill_ms_per_token * prefill) / 1000.0
             now_s = loop.time()
             if next_step_s < now_s:
                 next_step_s = now_s
@@ -194,9 +165,7 @@ class SimulatedEngine:
                 r.ended.set_result(None)
 
     async def abort(self, request_id: str) -> None:
-        state = self._running.get(request_id)
-        if state is not None:
-            self._forget(state)
+        self._running.pop(request_id, None)
 
     async def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():

@@ -142,39 +142,3 @@ async def test_the_consumer_streams_a_simulated_reply(
     finally:
         await consumer.close()
         engine.shutdown()
-
-
-async def test_phases_spread_requests_over_steps_and_each_still_gets_every_token() -> None:
-    phases = 4
-    config = SimulatedConfig(
-        max_num_seqs=16, step_base_ms=4, step_ms_per_seq=0, prefill_ms_per_token=0,
-        engine_phases=phases,
-    )  # fmt: skip
-    engine = SimulatedEngine(config)
-    steps: list[set[str]] = []
-    step = engine._step
-
-    def recording(batch):  # type: ignore[no-untyped-def]
-        steps.append({r.job.id for r in batch})
-        step(batch)
-
-    engine._step = recording  # type: ignore[method-assign]
-    outputs: dict[str, list[EngineOutput]] = {}
-    jobs = [_job(f"r{i}", max_tokens=6) for i in range(8)]
-    try:
-        await asyncio.gather(
-            *(engine.generate_into(job, 0, outputs.setdefault(job.id, []).append) for job in jobs)
-        )
-    finally:
-        engine.shutdown()
-    for job in jobs:  # the same reply as without phases
-        assert outputs[job.id] == _expected(job)
-    busy = [s for s in steps if s]
-    # A step advances one phase: two of the eight requests (dealt round-robin), never all.
-    assert all(len(s) == 2 for s in busy), busy
-    assert {frozenset(s) for s in busy} == {
-        frozenset({"r0", "r4"}),
-        frozenset({"r1", "r5"}),
-        frozenset({"r2", "r6"}),
-        frozenset({"r3", "r7"}),
-    }
