@@ -75,6 +75,9 @@ _CONNECTION_PARAMS = _init_params(
 ) | {"max_connections", "timeout"}
 _TLS_PARAMS = _init_params(aioredis.connection.SSLConnection)
 
+# How long an embedded server may spend loading its append-only file before start gives up.
+LOAD_TIMEOUT_S = 600.0
+
 
 def check_url(url: str) -> None:
     """Reject a Redis URL whose query string redis-py would only choke on at the first
@@ -242,23 +245,37 @@ class RedisServer:
         assert self._proc.stdin is not None
         with self._proc.stdin:
             self._proc.stdin.write(self._security_config().encode())
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop_process()  # never leave a server behind that nobody will stop
+            raise
+        log.info("redis-server started", url=redacted_url(self.url), pid=self._proc.pid)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Wait until the server answers PING. While it loads its data (a large append-only
+        file after heavy use takes minutes) it answers LOADING: that is progress, so only
+        :data:`LOAD_TIMEOUT_S` bounds it; ``timeout_s`` bounds everything else."""
+        assert self._proc is not None
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         try:
             while True:
                 if self._proc.poll() is not None:
                     raise RuntimeError(f"redis-server exited with {self._proc.returncode}")
                 try:
                     client.ping()
-                    break
+                    return
+                except redis.BusyLoadingError:
+                    if time.monotonic() - started > LOAD_TIMEOUT_S:
+                        raise TimeoutError("redis-server is still loading its data") from None
                 except redis.ConnectionError:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() - started > timeout_s:
                         raise TimeoutError("redis-server did not start") from None
-                    time.sleep(0.02)
+                time.sleep(0.02)
         finally:
             client.close()
-        log.info("redis-server started", url=redacted_url(self.url), pid=self._proc.pid)
-        return self
 
     def stop_process(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) but keep its folder: :meth:`start`

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError
 
@@ -306,3 +307,36 @@ def test_redacted_url_hides_the_password() -> None:
     )
     assert redacted_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
     assert redacted_url("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
+
+
+def test_a_server_that_fails_to_start_is_not_left_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def never_ready(self: redis.Redis) -> bool:
+        raise redis.ConnectionError("not yet")
+
+    monkeypatch.setattr(redis.Redis, "ping", never_ready)
+    server = RedisServer()
+    with pytest.raises(TimeoutError, match="did not start"):
+        server.start(timeout_s=0.3)
+    assert server._proc is None  # stopped (SIGTERM, then SIGKILL), not orphaned
+    server.stop()
+
+
+def test_a_server_still_loading_its_data_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real_ping = redis.Redis.ping
+
+    def loading_then_ready(self: redis.Redis) -> bool:
+        calls["n"] += 1
+        if calls["n"] <= 30:  # about 0.6 s of LOADING: longer than the start timeout
+            raise redis.BusyLoadingError("Redis is loading the dataset in memory")
+        return bool(real_ping(self))
+
+    monkeypatch.setattr(redis.Redis, "ping", loading_then_ready)
+    server = RedisServer()
+    try:
+        server.start(timeout_s=0.2)
+        assert calls["n"] > 30
+    finally:
+        server.stop()
