@@ -74,7 +74,7 @@ class ReplyStream:
             and chunk.seq == self._next_seq
             and chunk.text
             and chunk.finish_reason is None
-            and sink(chunk)
+            and self._sink(sink, chunk)
         ):
             self._next_seq += 1
             return
@@ -86,6 +86,17 @@ class ReplyStream:
             # The client reads too slowly. Never block the dispatcher (that would stall
             # every other stream): cut this one off instead.
             self._overflowed = True
+
+    def _sink(self, sink: Callable[[Chunk], bool], chunk: Chunk) -> bool:
+        """Hand ``chunk`` to the direct sink; a sink that fails is dropped (the chunk and
+        the rest of the stream take the queue): one broken stream never stops the
+        dispatcher."""
+        try:
+            return sink(chunk)
+        except Exception:
+            log.exception("direct write failed", request_id=self.request_id)
+            self.direct = None
+            return False
 
     async def chunks(self, idle_timeout_s: float) -> AsyncIterator[Chunk]:
         """Yield chunks in sequence order until the final one.

@@ -154,3 +154,19 @@ async def test_a_stream_through_uvicorn_writes_its_tokens_directly(
     # Most tokens took the direct path, and what it wrote is what the client got.
     assert len(writes) >= 20
     assert all(w.decode() in resp.text for w in writes)
+
+
+async def test_a_failing_sink_is_dropped_and_the_stream_continues_queued() -> None:
+    stream = ReplyStream(_LogInbox([]), "r", maxsize=16)  # type: ignore[arg-type]
+
+    def broken(c: Chunk) -> bool:
+        raise OSError("the transport is gone")
+
+    stream.direct = broken
+    chunks = stream.chunks(5.0)
+    reader = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0)
+    stream._deliver(chunk(1))  # must not raise into the dispatcher
+    stream._deliver(chunk(2, final=True))
+    got = [(await reader).seq] + [c.seq async for c in chunks]
+    assert got == [1, 2] and stream.direct is None
