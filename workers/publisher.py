@@ -39,7 +39,9 @@ MAX_CHUNKS_PER_CALL = 256
 # (channel, payload) pairs, then the indices into KEYS of the logs whose TTL to set (first
 # and final chunks). KEYS: the log key of every chunk, in the order the payloads hold them.
 # Each payload is an encoded ChunkBatch, [kind, version, [chunk, ...]] (cluster.protocol);
-# the script logs each chunk's bytes from it, so every chunk crosses the wire once.
+# the script logs each chunk's bytes from it, so every chunk crosses the wire once. It
+# reads the msgpack framing itself: the cmsgpack of Redis 7.0 rejects bin items ("Bad data
+# format in input").
 # Every chunk is logged before anything is published: whatever a client may have seen is
 # then in the log, so a retry on another worker never repeats or skips text.
 _PUBLISH = """
