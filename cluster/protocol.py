@@ -246,19 +246,4 @@ def decode_chunks(data: bytes) -> list[Chunk]:
         raise ProtocolError(f"expected chunks, got {message.KIND}")
     if not all(isinstance(item, bytes) for item in message.chunks):
         raise ProtocolError("malformed chunks message: items must be encoded chunks")
-    return [_decode_chunk(item) for item in message.chunks]
-
-
-def _decode_chunk(data: bytes) -> Chunk:
-    """:func:`decode_as` ``Chunk``, with the common case first: a gateway decodes every
-    token of every stream it relays."""
-    try:
-        items = msgpack.unpackb(data, raw=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError):
-        items = None
-    if type(items) is list and len(items) > 2 and items[0] == "chunk" and items[1] in _ACCEPTED:
-        try:
-            return Chunk(*items[2:])
-        except TypeError:
-            pass
-    return decode_as(data, Chunk)  # raises the precise ProtocolError
+    return [decode_as(item, Chunk) for item in message.chunks]
