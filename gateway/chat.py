@@ -132,14 +132,15 @@ def _direct_sink(
 ) -> Callable[[Chunk], bool] | None:
     """What the relay calls to write one in-order content chunk straight to the client's
     connection (None: this server or response does not allow it). It does exactly what
-    the streaming loop does for such a chunk: the event, the metrics, the persona text."""
+    the streaming loop does for such a chunk: the event, the metrics, the persona text;
+    any other chunk it leaves to the loop."""
     writer = ConnectionWriter.attach(raw_send)
     if writer is None:
         return None
-    write, event = writer.write, fmt.content_event
+    write, event, is_content = writer.write, fmt.content_event, fmt.is_content
 
     def sink(chunk: Chunk) -> bool:
-        if not write(event(chunk.seq, chunk.text)):
+        if not is_content(chunk) or not write(event(chunk.seq, chunk.text)):
             return False
         tracker.chunk(chunk)
         if parts is not None:

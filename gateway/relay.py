@@ -62,18 +62,19 @@ class ReplyStream:
         self.enqueued = False
         # The watchdog's last look at _next_seq: unchanged since then means quiet.
         self.watched_seq = 0
-        # Writes one in-order content chunk to the client; False: it could not (the
-        # chunk then takes the queue). Armed by chunks() only while its reader waits.
+        # Writes one in-order chunk to the client; False: it did not (a chunk it does not
+        # write directly, or could not: the chunk then takes the queue). Armed by
+        # chunks() only while its reader waits.
         self.direct: Callable[[Chunk], bool] | None = None
         self._armed: Callable[[Chunk], bool] | None = None
 
     def _deliver(self, chunk: Chunk) -> None:
         sink = self._armed
+        # The final chunk always takes the queue: the reader must see its stream end.
         if (
             sink is not None
             and chunk.seq == self._next_seq
-            and chunk.text
-            and chunk.finish_reason is None
+            and not chunk.is_final
             and self._sink(sink, chunk)
         ):
             self._next_seq += 1

@@ -97,9 +97,13 @@ class ChunkFormatter:
     def _event(self, seq: int, choices: list[dict[str, Any]], usage_obj: Any = None) -> bytes:
         return f"id: {seq}\ndata: {_dumps(self._body(choices, usage_obj))}\n\n".encode()
 
+    def is_content(self, chunk: Chunk) -> bool:
+        """True when ``chunk``'s events are just :meth:`content_event`."""
+        return self.role_sent and bool(chunk.text) and not chunk.is_final
+
     def events(self, chunk: Chunk) -> bytes:
         """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
-        if self.role_sent and chunk.text and not chunk.is_final:
+        if self.is_content(chunk):
             return self.content_event(chunk.seq, chunk.text)
         out = b""
         if chunk.text or not self.role_sent:

@@ -46,7 +46,7 @@ def stream_with_sink(
     taken: list[int] = []
 
     def sink(c: Chunk) -> bool:
-        if len(taken) >= accept:
+        if not c.text or len(taken) >= accept:  # as the SSE sink: text only
             return False
         taken.append(c.seq)
         return True
