@@ -38,7 +38,11 @@ class SimulatedConfig(BaseModel):
 
 def simulated_token(prompt_token_ids: list[int], position: int) -> int:
     """The token the simulator emits at ``position`` of the reply to this prompt."""
-    return (sum(prompt_token_ids) * 31 + position * 7) % _VOCAB
+    return _token(sum(prompt_token_ids), position)
+
+
+def _token(prompt_sum: int, position: int) -> int:
+    return (prompt_sum * 31 + position * 7) % _VOCAB
 
 
 def simulated_text(token_id: int) -> str:
@@ -145,7 +149,7 @@ class SimulatedEngine:
             if r.remaining <= 0 or running.get(r.job.id) is not r:
                 continue
             r.prefilled = True
-            token = (r.prompt_sum * 31 + r.position * 7) % _VOCAB  # simulated_token
+            token = _token(r.prompt_sum, r.position)
             r.position += 1
             r.remaining -= 1
             out = EngineOutput(
