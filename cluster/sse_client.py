@@ -133,23 +133,7 @@ class _StreamProtocol(asyncio.Protocol):
             self._done.set_exception(ConnectionError(f"connection lost: {exc}"))
 
     def data_received(self, data: bytes) -> None:
-        now = perf_counter()
-        if self._state == _SIZE and not self._buf:
-            # The common case: this read is exactly one whole chunk (one server write).
-            eol = data.find(b"\r\n")
-            try:
-                size = int(data[:eol], 16) if eol > 0 else 0
-            except ValueError:
-                size = 0  # a chunk extension, or garbage: the general path decides
-            if size > 0 and eol + size + 4 == len(data) and data.endswith(b"\r\n"):
-                response = self._response
-                assert response is not None
-                response.times.append(now)
-                response.segments.append(data[eol + 2 : -2])
-                if len(response.times) >= _MAX_PENDING_SEGMENTS:
-                    response.feed()
-                return
-        self._parse(data, now)
+        self._parse(data, perf_counter())
 
     # -- requests -------------------------------------------------------------------
 
@@ -170,7 +154,7 @@ class _StreamProtocol(asyncio.Protocol):
     # -- parsing --------------------------------------------------------------------
 
     def _parse(self, data: bytes, now: float) -> None:
-        """The general path: any state, any split of the bytes."""
+        """Take one read: any state, any split of the bytes."""
         if self._buf:
             data = self._buf + data
             self._buf = b""

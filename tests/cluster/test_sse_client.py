@@ -82,7 +82,7 @@ def run(pieces: list[bytes]) -> tuple[Sample, _StreamProtocol]:
 
 def splits(data: bytes) -> Iterator[list[bytes]]:
     """Every split into two pieces, one-byte pieces, and (for the stream) one read per
-    server write, the case data_received takes a short path for."""
+    server write (what the gateway sends)."""
     if data == STREAM:
         yield PARTS
     for i in range(1, len(data)):
