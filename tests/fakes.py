@@ -1,4 +1,5 @@
-"""A deterministic engine for unit tests of the control plane (never used in production).
+"""Test doubles for the control plane (never used in production): a deterministic engine,
+and :func:`make_chunk`.
 
 It yields ``job.max_tokens`` tokens named ``" t0"``, ``" t1"``, ... (a retry continues
 after its resume tokens) with an optional delay per token, records what it was asked to
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cluster.protocol import Job
+from cluster.protocol import Chunk, Job
 from tests.polling import Signal
 from workers.engine import EngineOutput, OutputSink
 
@@ -94,3 +95,18 @@ class FakePushEngine(FakeEngine):
             await task
         finally:
             task.cancel()
+
+
+def make_chunk(seq: int, text: str = "x", **fields: object) -> Chunk:
+    """Chunk ``seq`` of request ``r`` (one token unless ``text`` is empty); ``fields`` sets
+    any other field, e.g. ``finish_reason`` for a final chunk."""
+    values: dict[str, object] = {
+        "request_id": "r",
+        "seq": seq,
+        "text": text,
+        "completion_tokens": seq,
+        "prompt_tokens": 3,
+        "token_ids": [seq] if text else [],
+    }
+    values.update(fields)
+    return Chunk(**values)  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from cluster.metrics import (
     render_worker_metrics,
     run_worker_exporter,
 )
-from cluster.protocol import Chunk
+from tests.fakes import make_chunk
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "charserve.json"
 _SUFFIXES = {
@@ -75,18 +75,6 @@ def value(text: str, name: str, **labels: str) -> float:
     return samples(text)[(name, frozenset(labels.items()))]
 
 
-def chunk(seq: int, text: str = "x", **kw: object) -> Chunk:
-    return Chunk(
-        request_id="r",
-        seq=seq,
-        text=text,
-        completion_tokens=seq,
-        prompt_tokens=3,
-        token_ids=[seq] if text else [],
-        **kw,  # type: ignore[arg-type]
-    )
-
-
 def fake_vllm(registry: CollectorRegistry, running: float, generated: float) -> None:
     """vLLM-shaped families (colons, a histogram whose name ends in _total)."""
     labels = ["model_name", "engine"]
@@ -105,10 +93,10 @@ def fake_vllm(registry: CollectorRegistry, running: float, generated: float) -> 
 def test_request_timer_observes_each_histogram_once() -> None:
     m = GatewayMetrics()
     timer = m.request("interactive", time.time_ns() // 1_000_000 - 200)
-    timer.on_chunk(chunk(1, queue_ms=40.0))
-    timer.on_chunk(chunk(2, sent_ms=time.time() * 1000 - 10))
-    timer.on_chunk(chunk(3, text="", finish_reason="stop"))  # empty final: no ITL
-    timer.finish(chunk_outcome(chunk(3, text="", finish_reason="stop")))
+    timer.on_chunk(make_chunk(1, queue_ms=40.0))
+    timer.on_chunk(make_chunk(2, sent_ms=time.time() * 1000 - 10))
+    timer.on_chunk(make_chunk(3, text="", finish_reason="stop"))  # empty final: no ITL
+    timer.finish(chunk_outcome(make_chunk(3, text="", finish_reason="stop")))
     timer.finish("error")  # idempotent
     out = render_all(m.registry, {}).decode()
     assert_valid_exposition(out)
@@ -128,7 +116,7 @@ def test_request_timer_observes_each_histogram_once() -> None:
 def test_expired_first_chunk_counts_queue_wait_but_no_ttft() -> None:
     m = GatewayMetrics()
     timer = m.request("batch", time.time_ns() // 1_000_000)
-    expired = chunk(1, text="", finish_reason="error", error_code="expired", queue_ms=900.0)
+    expired = make_chunk(1, text="", finish_reason="error", error_code="expired", queue_ms=900.0)
     timer.on_chunk(expired)
     timer.finish(chunk_outcome(expired))
     out = render_all(m.registry, {}).decode()

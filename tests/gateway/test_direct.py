@@ -12,20 +12,10 @@ import pytest
 from cluster.protocol import Chunk
 from gateway.direct import ConnectionWriter
 from gateway.relay import ReplyStream
+from tests.fakes import make_chunk
 from tests.gateway.conftest import Gateway
 
 MODEL = "smollm2-135m-instruct"
-
-
-def chunk(seq: int, final: bool = False, text: str | None = None) -> Chunk:
-    return Chunk(
-        request_id="r",
-        seq=seq,
-        text=f" {seq}" if text is None else text,
-        completion_tokens=seq,
-        prompt_tokens=1,
-        finish_reason="stop" if final else None,
-    )
 
 
 class _LogInbox:
@@ -57,14 +47,14 @@ def stream_with_sink(
 
 async def test_content_goes_direct_while_the_reader_waits_and_the_end_is_queued() -> None:
     stream, taken = stream_with_sink()
-    stream._deliver(chunk(1))  # before anyone waits: queued
+    stream._deliver(make_chunk(1))  # before anyone waits: queued
     chunks = stream.chunks(5.0)
     assert (await anext(chunks)).seq == 1
     reader = asyncio.ensure_future(anext(chunks))
     await asyncio.sleep(0)  # the reader now waits, its sink armed
     for seq in (2, 3, 4):
-        stream._deliver(chunk(seq))
-    stream._deliver(chunk(5, final=True))
+        stream._deliver(make_chunk(seq))
+    stream._deliver(make_chunk(5, finish_reason="stop"))
     assert (await reader).seq == 5
     assert taken == [2, 3, 4]
 
@@ -75,8 +65,8 @@ async def test_a_refused_chunk_and_everything_after_it_keep_their_order() -> Non
     reader = asyncio.ensure_future(anext(chunks))
     await asyncio.sleep(0)
     for seq in (1, 2, 3):
-        stream._deliver(chunk(seq))
-    stream._deliver(chunk(4, final=True))
+        stream._deliver(make_chunk(seq))
+    stream._deliver(make_chunk(4, finish_reason="stop"))
     got = [(await reader).seq] + [c.seq async for c in chunks]
     # 1 went direct; the sink refused 2 (its socket was backed up, say): 2 and all
     # later chunks take the queue until the reader has caught up and waits again.
@@ -84,18 +74,18 @@ async def test_a_refused_chunk_and_everything_after_it_keep_their_order() -> Non
 
 
 async def test_empty_and_out_of_order_chunks_take_the_queue_and_gaps_are_repaired() -> None:
-    logged = [chunk(seq) for seq in range(1, 6)]
+    logged = [make_chunk(seq) for seq in range(1, 6)]
     stream, taken = stream_with_sink(logged)
     chunks = stream.chunks(5.0)
     reader = asyncio.ensure_future(anext(chunks))
     await asyncio.sleep(0)
-    stream._deliver(chunk(1))
-    stream._deliver(chunk(2, text=""))  # no text: no event of its own, the reader decides
+    stream._deliver(make_chunk(1))
+    stream._deliver(make_chunk(2, text=""))  # no text: no event of its own, the reader decides
     assert (await reader).seq == 2
     reader = asyncio.ensure_future(anext(chunks))
     await asyncio.sleep(0)
-    stream._deliver(chunk(4))  # 3 was lost on pub/sub
-    stream._deliver(chunk(5, final=True))
+    stream._deliver(make_chunk(4))  # 3 was lost on pub/sub
+    stream._deliver(make_chunk(5, finish_reason="stop"))
     got = [(await reader).seq] + [c.seq async for c in chunks]
     assert taken == [1] and got == [3, 4, 5]
 
@@ -106,7 +96,7 @@ async def test_direct_progress_keeps_an_idle_timeout_from_firing() -> None:
     reader = asyncio.ensure_future(anext(chunks))
     for seq in range(1, 13):  # a chunk every 0.1 s, for 1.2 s: longer than the timeout
         await asyncio.sleep(0.1)
-        stream._deliver(chunk(seq))
+        stream._deliver(make_chunk(seq))
     assert not reader.done()
     with pytest.raises(TimeoutError):  # and then nothing comes
         await reader
@@ -166,7 +156,7 @@ async def test_a_failing_sink_is_dropped_and_the_stream_continues_queued() -> No
     chunks = stream.chunks(5.0)
     reader = asyncio.ensure_future(anext(chunks))
     await asyncio.sleep(0)
-    stream._deliver(chunk(1))  # must not raise into the dispatcher
-    stream._deliver(chunk(2, final=True))
+    stream._deliver(make_chunk(1))  # must not raise into the dispatcher
+    stream._deliver(make_chunk(2, finish_reason="stop"))
     got = [(await reader).seq] + [c.seq async for c in chunks]
     assert got == [1, 2] and stream.direct is None

@@ -6,19 +6,8 @@ import json
 
 import pytest
 
-from cluster.protocol import Chunk
 from gateway.sse import ChunkFormatter
-
-
-def _chunk(seq: int, text: str, final: bool = False) -> Chunk:
-    return Chunk(
-        request_id="r",
-        seq=seq,
-        text=text,
-        completion_tokens=seq,
-        prompt_tokens=3,
-        finish_reason="length" if final else None,
-    )
+from tests.fakes import make_chunk
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -27,8 +16,8 @@ def _chunk(seq: int, text: str, final: bool = False) -> Chunk:
 )
 def test_content_events_match_the_general_path(include_usage: bool, text: str) -> None:
     fmt = ChunkFormatter("chatcmpl-x", 'm"odel', 1700000000, include_usage)
-    fmt.render(_chunk(1, "first"))  # the role goes with the first event
-    lean = fmt.render(_chunk(7, text))
+    fmt.render(make_chunk(1, "first"))  # the role goes with the first event
+    lean = fmt.render(make_chunk(7, text))
     general = fmt._event(
         7, [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
     )
@@ -41,9 +30,9 @@ def test_content_events_match_the_general_path(include_usage: bool, text: str) -
 
 def test_first_and_last_events_keep_role_finish_and_usage() -> None:
     fmt = ChunkFormatter("chatcmpl-x", "m", 1, True)
-    first = json.loads(fmt.render(_chunk(1, "a")).split(b"data: ", 1)[1])
+    first = json.loads(fmt.render(make_chunk(1, "a")).split(b"data: ", 1)[1])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
-    last = fmt.render(_chunk(2, "b", final=True)).split(b"\n\n")
+    last = fmt.render(make_chunk(2, "b", finish_reason="length")).split(b"\n\n")
     finish = json.loads(last[1].split(b"data: ", 1)[1])
     usage = json.loads(last[2].split(b"data: ", 1)[1])
     assert finish["choices"][0]["finish_reason"] == "length"
