@@ -224,10 +224,10 @@ class Publisher:
             self._wake.set()
 
     def _is_due(self, stream: RequestStream, now_s: float) -> bool:
+        # With no interval everything is due (mark and _collect skip the call then).
         return (
             stream.seq == 0
             or stream.finished
-            or self._interval_s == 0.0
             or now_s - stream.last_sent_s >= self._interval_s
         )
 
