@@ -4,8 +4,14 @@ The head node runs ``ray start --head`` and the second node ``ray start --addres
 resources of its own. Each node gets its own ``--temp-dir`` and free ports (Ray's fixed
 defaults, such as the dashboard agent's 52365, would clash with the other node and with
 any other Ray on the machine), and a token of its own for Ray's token authentication, so
-nothing here touches ``~/.ray`` or another Ray instance. A node is stopped by killing the
-processes it started, by pid: ``ray stop`` would stop every Ray on the machine.
+nothing here touches ``~/.ray`` or another Ray instance. Both nodes announce
+127.0.0.1, so nothing listens for or connects to another address. A node is stopped by
+killing the processes it started, by pid: ``ray stop`` would stop every Ray on the machine.
+
+Ray gives a starting raylet a fixed 30 s to register with the GCS and then gives up. On a
+loaded two-core machine that can happen, so a node that fails to start is started again
+from scratch (new temp dir, new ports), and a node that never starts fails the tests with
+its raylet's and GCS's own logs, not only ``ray start``'s.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -25,6 +32,14 @@ import psutil
 from cluster.redis import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
+# What ``ray start`` prints once its node is up (head or not).
+STARTED = "Ray runtime started."
+START_TIMEOUT_S = 120.0
+START_ATTEMPTS = 3
+
+
+class NodeStartError(RuntimeError):
+    """A node's ``ray start`` exited or timed out before its node came up."""
 
 
 class RayNode:
@@ -49,6 +64,7 @@ class RayNode:
             f"--num-cpus={self._num_cpus}",
             f"--resources={json.dumps({self.name: 1})}",
             f"--temp-dir={self.temp_dir}",
+            "--node-ip-address=127.0.0.1",
             f"--node-manager-port={free_port()}",
             f"--object-manager-port={free_port()}",
             f"--metrics-export-port={free_port()}",
@@ -69,15 +85,36 @@ class RayNode:
         with self._log.open("wb") as out:
             self._proc = subprocess.Popen(args, env=self._env, stdout=out, stderr=out)
 
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until ``ray start`` reports the node up; raise :class:`NodeStartError`
+        (with the node's logs) if it exits first or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if STARTED in self._read(self._log):
+                return
+            if not self.alive:
+                raise NodeStartError(f"ray start for {self.name} exited:\n{self.logs()}")
+            time.sleep(0.2)
+        raise NodeStartError(f"{self.name} not up after {timeout_s:.0f} s:\n{self.logs()}")
+
     def pids(self) -> set[int]:
-        """The pids of this node's processes now (raylet, workers, replicas, ...)."""
+        """The pids of this node's processes now (raylet, workers, replicas, ...): what
+        ``ray start`` spawned, and what names this node's temp dir (the GCS and raylet of
+        a ``ray start`` that failed and left them behind) with what those spawned."""
         if self._proc is None:
             return set()
-        try:
-            root = psutil.Process(self._proc.pid)
-            return {root.pid} | {p.pid for p in root.children(recursive=True)}
-        except psutil.NoSuchProcess:
-            return set()
+        roots = [self._proc.pid]
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(self.temp_dir in arg for arg in proc.info["cmdline"] or ()):
+                roots.append(proc.pid)
+        found: set[int] = set()
+        for pid in roots:
+            try:
+                root = psutil.Process(pid)
+                found |= {root.pid} | {p.pid for p in root.children(recursive=True)}
+            except psutil.NoSuchProcess:
+                continue
+        return found
 
     @property
     def alive(self) -> bool:
@@ -104,8 +141,22 @@ class RayNode:
 
     def log_tail(self, lines: int = 30) -> str:
         """The end of ``ray start``'s own output (for failure messages)."""
+        return "\n".join(self._read(self._log).splitlines()[-lines:])
+
+    def logs(self, lines: int = 30) -> str:
+        """The ends of ``ray start``'s output and of the raylet's and GCS's logs."""
+        parts = [f"--- ray start ---\n{self.log_tail(lines)}"]
+        logs_dir = Path(self.temp_dir, "session_latest", "logs")
+        for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
+            text = self._read(logs_dir / name)
+            if text:
+                parts.append(f"--- {name} ---\n" + "\n".join(text.splitlines()[-lines:]))
+        return "\n".join(parts)
+
+    @staticmethod
+    def _read(path: Path) -> str:
         try:
-            return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
+            return path.read_text(errors="replace")
         except OSError:
             return ""
 
@@ -119,6 +170,7 @@ class LocalRayCluster:
     """A head node (resource ``node_a``) and a second node (``node_b``)."""
 
     def __init__(self, num_cpus: int = 2) -> None:
+        self._num_cpus = num_cpus
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Ray's token authentication, with a token of this cluster's own.
@@ -132,9 +184,31 @@ class LocalRayCluster:
         self.second = RayNode("node_b", self.env, num_cpus)
 
     def start(self) -> None:
-        """Start both nodes (the second retries until the head answers)."""
-        self.head.start(head_port=self.port)
-        self.second.start(address=self.address)
+        """Start the head, then the second node, each up before going on."""
+        self.head = self._start_node(self.head, head=True)
+        self.second = self._start_node(self.second, head=False)
+
+    def _start_node(self, node: RayNode, *, head: bool) -> RayNode:
+        """Start ``node`` and wait for it; one that fails to start is replaced by a fresh
+        node (new temp dir; for the head, a new port too), up to ``START_ATTEMPTS`` times."""
+        attempt = 1
+        while True:
+            try:
+                if head:
+                    node.start(head_port=self.port)
+                else:
+                    node.start(address=self.address)
+                node.wait_started()
+                return node
+            except NodeStartError:
+                node.remove()
+                if attempt == START_ATTEMPTS:
+                    raise
+            attempt += 1
+            if head:
+                self.port = free_port()
+                self.address = f"127.0.0.1:{self.port}"
+            node = RayNode(node.name, self.env, self._num_cpus)
 
     def node_of(self, pid: int) -> str | None:
         """Which node a process belongs to."""
