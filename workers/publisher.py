@@ -220,16 +220,12 @@ class Publisher:
     def mark(self, stream: RequestStream) -> None:
         """Note that ``stream`` has something to send; wake the flusher if it is due."""
         self._dirty[stream.job.id] = stream
-        if self._interval_s == 0.0 or self._is_due(stream, time.monotonic()):
+        if self._is_due(stream, time.monotonic()):
             self._wake.set()
 
     def _is_due(self, stream: RequestStream, now_s: float) -> bool:
-        # With no interval everything is due (mark and _collect skip the call then).
-        return (
-            stream.seq == 0
-            or stream.finished
-            or now_s - stream.last_sent_s >= self._interval_s
-        )
+        # With no interval every marked stream is due (the clock never runs backwards).
+        return stream.seq == 0 or stream.finished or now_s - stream.last_sent_s >= self._interval_s
 
     async def _run(self) -> None:
         while True:
@@ -261,16 +257,16 @@ class Publisher:
     def _collect(self, now_s: float) -> list[Outgoing]:
         batch, self._unsent = self._unsent, []
         sent_ms = time.time() * 1000.0  # one clock read per flush, not per chunk
-        if self._interval_s == 0.0:
-            due, self._dirty = self._dirty, {}  # without an interval, all marked are due
+        due = [s for s in self._dirty.values() if self._is_due(s, now_s)]
+        if len(due) == len(self._dirty):
+            self._dirty = {}
         else:
-            due = {rid: s for rid, s in self._dirty.items() if self._is_due(s, now_s)}
-            for request_id in due:
-                del self._dirty[request_id]
-        for request_id, stream in due.items():
+            for stream in due:
+                del self._dirty[stream.job.id]
+        for stream in due:
             stream.last_sent_s = now_s
             if not stream.log_key:
-                stream.log_key = self._keys.log(request_id).encode()
+                stream.log_key = self._keys.log(stream.job.id).encode()
             first = stream.seq == 0
             data = stream.take(self._encoder, sent_ms)
             batch.append(Outgoing(stream, data, first, stream.finished))
