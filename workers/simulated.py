@@ -59,7 +59,6 @@ class _Running:
     sink: OutputSink
     # Resolved when the reply ended (or with the exception its sink raised).
     ended: asyncio.Future[None]
-    prompt_tokens: int
     # The part of simulated_token that depends on the prompt alone.
     prompt_sum: int
     prefilled: bool = False
@@ -107,7 +106,6 @@ class SimulatedEngine:
             remaining=job.max_tokens - len(job.resume_token_ids),
             sink=sink,
             ended=asyncio.get_running_loop().create_future(),
-            prompt_tokens=len(job.prompt_token_ids),
             prompt_sum=sum(job.prompt_token_ids),
         )
         self._running[job.id] = state
@@ -129,7 +127,7 @@ class SimulatedEngine:
                 await self._wake.wait()
                 next_step_s = loop.time()
             batch = list(self._running.values())
-            prefill = sum(r.prompt_tokens for r in batch if not r.prefilled)
+            prefill = sum(len(r.job.prompt_token_ids) for r in batch if not r.prefilled)
             step_ms = cfg.step_base_ms + cfg.step_ms_per_seq * len(batch)
             # Steps keep their own cadence: the time this process spends handing outputs
             # on (the consumer, the publisher) does not lengthen the modelled step, as
@@ -156,7 +154,7 @@ class SimulatedEngine:
                 text=texts[token],
                 token_ids=[token],
                 finish_reason="length" if r.remaining <= 0 else None,
-                prompt_tokens=r.prompt_tokens,
+                prompt_tokens=len(r.job.prompt_token_ids),
             )
             try:
                 r.sink(out)
