@@ -82,8 +82,7 @@ async def charserve_deploy(
     )
     output = (done.stdout + done.stderr).decode(errors="replace")
     assert done.returncode == 0, (
-        f"{output}\n--- head ---\n{cluster.head.log_tail()}\n"
-        f"--- second ---\n{cluster.second.log_tail()}"
+        f"{output}\n=== head ===\n{cluster.head.logs()}\n=== second ===\n{cluster.second.logs()}"
     )
     return output
 

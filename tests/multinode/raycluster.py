@@ -139,18 +139,19 @@ class RayNode:
         if self._proc is not None:
             self._proc.wait(timeout=10)
 
-    def log_tail(self, lines: int = 30) -> str:
-        """The end of ``ray start``'s own output (for failure messages)."""
-        return "\n".join(self._read(self._log).splitlines()[-lines:])
-
     def logs(self, lines: int = 30) -> str:
-        """The ends of ``ray start``'s output and of the raylet's and GCS's logs."""
-        parts = [f"--- ray start ---\n{self.log_tail(lines)}"]
+        """The ends of ``ray start``'s output and of the raylet's and GCS's logs (for
+        failure messages)."""
         logs_dir = Path(self.temp_dir, "session_latest", "logs")
-        for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
-            text = self._read(logs_dir / name)
+        files = {"ray start": self._log} | {
+            name: logs_dir / name
+            for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")
+        }
+        parts = []
+        for title, path in files.items():
+            text = self._read(path)
             if text:
-                parts.append(f"--- {name} ---\n" + "\n".join(text.splitlines()[-lines:]))
+                parts.append(f"--- {title} ---\n" + "\n".join(text.splitlines()[-lines:]))
         return "\n".join(parts)
 
     @staticmethod
