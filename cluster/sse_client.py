@@ -171,7 +171,7 @@ class _StreamProtocol(asyncio.Protocol):
                     if eol < 0:
                         break
                     line = data[pos:eol]
-                    size = int(line.split(b";", 1)[0] if b";" in line else line, 16)
+                    size = int(line.partition(b";")[0], 16)  # chunk extensions ignored
                     pos = eol + 2
                     if size <= 0:
                         if size < 0:
