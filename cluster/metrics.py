@@ -46,6 +46,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from cluster.keys import Keys
 from cluster.protocol import Chunk
@@ -141,14 +142,9 @@ class TokenHistogram(Collector):
             cumulative, buckets = 0, []
             for bound, count in zip((*self._bounds, math.inf), counts, strict=True):
                 cumulative += count
-                buckets.append((_bound_text(bound), cumulative))
+                buckets.append((floatToGoString(bound), cumulative))
             family.add_metric(list(values), buckets, total)
         yield family
-
-
-def _bound_text(bound: float) -> str:
-    """A bucket bound as prometheus_client writes it (``0.05``, ``1.0``, ``+Inf``)."""
-    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 def _known(value: str | None, allowed: tuple[str, ...]) -> str:
