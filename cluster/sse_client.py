@@ -179,12 +179,10 @@ class _StreamProtocol(asyncio.Protocol):
                         state = _TRAILER
                         continue
                     stop = pos + size
-                    if stop + 2 <= n:  # the common case: the whole chunk is in this read
-                        if data[stop] != 13 or data[stop + 1] != 10:
-                            raise ProtocolViolation("chunk not followed by CRLF")
+                    if stop <= n:  # the common case: the whole chunk is in this read
                         times.append(now)
                         segments.append(data[pos:stop])
-                        pos = stop + 2
+                        pos, state = stop, _CRLF
                         continue
                     state, remaining = _DATA, size
                 elif state == _DATA or state == _LENGTH:
