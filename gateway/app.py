@@ -62,6 +62,17 @@ def _tenant(request: Request) -> str:
     return str(request.state.tenant)
 
 
+def _flag(request: Request, header: str) -> bool:
+    """A ``true``/``false`` request header (absent: false)."""
+    value = request.headers.get(header)
+    if value is None:
+        return False
+    flag = value.strip().lower()
+    if flag not in ("true", "false"):
+        raise BadRequest(f"{header} must be true or false, not {value[:40]!r}", param=header)
+    return flag == "true"
+
+
 def _request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", "") or new_request_id())
 
@@ -207,7 +218,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             request.headers.get("x-latency-budget-ms"),
         )
         chat: ChatService = request.app.state.chat
-        resumable = request.headers.get("x-resumable", "").strip().lower() == "true"
+        resumable = _flag(request, "x-resumable")
         return await chat.complete(
             body,
             request_id,
@@ -216,6 +227,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             request.receive,
             resumable,
             request.scope.get(RAW_SEND),
+            event_ids=_flag(request, "x-event-ids"),
         )
 
     @app.get(

@@ -219,9 +219,12 @@ class ChatService:
         receive: Receive,
         resumable: bool = False,
         raw_send: Send | None = None,
+        event_ids: bool = False,
     ) -> Response:
         """Run one chat completion end to end. A ``resumable`` request keeps generating
-        when its client goes away, so the client can come back for the rest. ``raw_send``
+        when its client goes away, so the client can come back for the rest; its events
+        carry ``id:`` lines (as do those of a request that asks for ``event_ids``), others
+        are framed exactly as OpenAI frames them. ``raw_send``
         is the server's own ``send`` for this request: with it, tokens may be written
         straight to the connection (see :mod:`gateway.direct`)."""
         self.check(request)
@@ -278,7 +281,11 @@ class ChatService:
                 raise from_worker(first.error_code, first.error_message)
             if request.stream:
                 fmt = ChunkFormatter(
-                    meta.completion_id, meta.model, meta.created, meta.include_usage
+                    meta.completion_id,
+                    meta.model,
+                    meta.created,
+                    meta.include_usage,
+                    event_ids=resumable or event_ids,
                 )
                 handed_off = True
                 return StreamingResponse(

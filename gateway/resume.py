@@ -76,7 +76,12 @@ async def replay(
 ) -> AsyncIterator[bytes]:
     """SSE bytes for every chunk after ``after_seq``, from the log, then live."""
     fmt = ChunkFormatter(
-        meta.completion_id, meta.model, meta.created, meta.include_usage, role_sent=after_seq > 0
+        meta.completion_id,
+        meta.model,
+        meta.created,
+        meta.include_usage,
+        role_sent=after_seq > 0,
+        event_ids=True,
     )
     log_key = keys.log(request_id)
     cursor = "0-0"

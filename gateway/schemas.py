@@ -253,7 +253,8 @@ class ChatCompletionChunk(BaseModel):
 SSE_EVENT: dict[str, Any] = {
     "type": "object",
     "description": "One server-sent event: data is a chat.completion.chunk as JSON, an error "
-    "body as JSON (then [DONE]), or [DONE]; id is the chunk sequence (for Last-Event-ID).",
+    "body as JSON (then [DONE]), or [DONE]; id (only for a resumable request, one sent with "
+    "X-Event-Ids: true, and on the resume route) is the chunk sequence, for Last-Event-ID.",
     "required": ["data"],
     "properties": {
         "data": {"type": "string"},
@@ -423,7 +424,14 @@ CHAT_COMPLETION_EXTRA: dict[str, Any] = {
         ),
         _header(
             "X-Resumable",
-            "true: keep generating when the client disconnects, so it can resume.",
+            "true: keep generating when the client disconnects, so it can resume; the "
+            "events carry id: lines for Last-Event-ID.",
+            {"type": "string", "enum": ["true", "false"]},
+        ),
+        _header(
+            "X-Event-Ids",
+            "true: events carry id: lines (the chunk sequence) for Last-Event-ID; by "
+            "default a stream is framed exactly as OpenAI frames it, without them.",
             {"type": "string", "enum": ["true", "false"]},
         ),
     ]

@@ -3,8 +3,11 @@
 Shapes follow OpenAI exactly: the first delta carries the role, ``finish_reason`` appears
 only on the last choice chunk (with an empty delta), ``stream_options.include_usage``
 adds a final chunk with ``choices: []`` and every earlier chunk carries ``usage: null``,
-and the stream ends with ``data: [DONE]``. Each event carries ``id: <seq>`` of the worker
-chunk it came from, for resuming.
+and the stream ends with ``data: [DONE]``. OpenAI sends no ``id:`` lines, and clients that
+parse SSE by hand (vLLM's own benchmark client among them) split on blank lines and strip a
+leading ``data: ``, so an event carries ``id: <seq>`` (the worker chunk it came from, for
+resuming with ``Last-Event-ID``) only when the formatter is asked for event ids: for a
+resumable request, one that asks for them, and the resume endpoint.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class ChunkFormatter:
     created: int
     include_usage: bool
     role_sent: bool = False
+    event_ids: bool = False
     _content_head: bytes = b""
     _content_tail: bytes = b""
 
@@ -67,7 +71,7 @@ class ChunkFormatter:
             {"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
         ]
         head, tail = _dumps(self._body(choices, None)).split(_dumps(marker))
-        self._content_head = f"\ndata: {head}".encode()
+        self._content_head = f"data: {head}".encode()
         self._content_tail = f"{tail}\n\n".encode()
 
     def _body(self, choices: list[dict[str, Any]], usage_obj: Any) -> dict[str, Any]:
@@ -87,7 +91,7 @@ class ChunkFormatter:
         """The event of a content chunk after the first (what :meth:`events` writes)."""
         return b"".join(
             (
-                b"id: %d" % seq,
+                b"id: %d\n" % seq if self.event_ids else b"",
                 self._content_head,
                 _dumps(text).encode(),
                 self._content_tail,
@@ -95,7 +99,8 @@ class ChunkFormatter:
         )
 
     def _event(self, seq: int, choices: list[dict[str, Any]], usage_obj: Any = None) -> bytes:
-        return f"id: {seq}\ndata: {_dumps(self._body(choices, usage_obj))}\n\n".encode()
+        head = f"id: {seq}\n" if self.event_ids else ""
+        return f"{head}data: {_dumps(self._body(choices, usage_obj))}\n\n".encode()
 
     def is_content(self, chunk: Chunk) -> bool:
         """True when ``chunk``'s events are just :meth:`content_event`."""

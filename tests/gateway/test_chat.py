@@ -57,7 +57,10 @@ async def test_client_request_id_is_kept(http: httpx.AsyncClient) -> None:
     assert resp.headers["x-request-id"] == "my-id-123"
 
 
-async def test_stream_has_openai_shape_and_sequence_ids(http: httpx.AsyncClient) -> None:
+@pytest.mark.parametrize("event_ids", [False, True])
+async def test_stream_has_openai_shape_and_sequence_ids_when_asked(
+    http: httpx.AsyncClient, event_ids: bool
+) -> None:
     body = {
         "model": MODEL,
         "messages": MESSAGES,
@@ -65,7 +68,8 @@ async def test_stream_has_openai_shape_and_sequence_ids(http: httpx.AsyncClient)
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    resp = await http.post("/v1/chat/completions", json=body)
+    headers = {"X-Event-Ids": "true"} if event_ids else {}
+    resp = await http.post("/v1/chat/completions", json=body, headers=headers)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
     events = sse_events(resp.text)
     assert events[-1] == (None, "[DONE]")
@@ -79,7 +83,49 @@ async def test_stream_has_openai_shape_and_sequence_ids(http: httpx.AsyncClient)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == " t0 t1 t2 t3 t4"
     ids = [int(i) for i, _ in events[:-1] if i is not None]
+    if not event_ids:
+        assert ids == []  # framed exactly as OpenAI frames it
+        return
     assert ids == sorted(ids) and ids[0] == 1 and set(ids) == set(range(1, ids[-1] + 1))
+
+
+async def test_a_bad_flag_header_is_a_400(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "stream": True}
+    resp = await http.post("/v1/chat/completions", json=body, headers={"X-Event-Ids": "yes"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "x-event-ids"
+
+
+async def test_vllm_benchmark_client_reads_every_stream(gateway: Gateway) -> None:
+    """vLLM's own ``vllm bench serve`` request function (it splits events on blank lines
+    and strips ``data: ``) consumes the gateway's streams without an error."""
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncInput,
+        async_request_openai_chat_completions,
+    )
+
+    async with aiohttp.ClientSession() as session:
+        outputs = await asyncio.gather(
+            *(
+                async_request_openai_chat_completions(
+                    RequestFuncInput(
+                        prompt=f"Hello {n}",
+                        api_url=f"{gateway.base_url}/v1/chat/completions",
+                        prompt_len=4,
+                        output_len=6 + n,
+                        model=MODEL,
+                        ignore_eos=True,
+                    ),
+                    session,
+                )
+                for n in range(8)
+            )
+        )
+    for n, out in enumerate(outputs):
+        assert out.success, out.error
+        assert out.generated_text == "".join(f" t{i}" for i in range(6 + n))
+        assert out.output_tokens == 6 + n and out.ttft > 0
 
 
 async def test_openai_client_streams_and_collects(gateway: Gateway) -> None:

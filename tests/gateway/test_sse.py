@@ -10,19 +10,23 @@ from gateway.sse import ChunkFormatter
 from tests.fakes import make_chunk
 
 
+@pytest.mark.parametrize("event_ids", [False, True])
 @pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize(
     "text", [" plain", 'quo"te \\ back', "line\nbreak\t", "héllo ✓ 🚀", "\x00"]
 )
-def test_content_events_match_the_general_path(include_usage: bool, text: str) -> None:
-    fmt = ChunkFormatter("chatcmpl-x", 'm"odel', 1700000000, include_usage)
+def test_content_events_match_the_general_path(
+    include_usage: bool, text: str, event_ids: bool
+) -> None:
+    fmt = ChunkFormatter("chatcmpl-x", 'm"odel', 1700000000, include_usage, event_ids=event_ids)
     fmt.render(make_chunk(1, "first"))  # the role goes with the first event
     lean = fmt.render(make_chunk(7, text))
     general = fmt._event(
         7, [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
     )
     assert lean == general
-    assert lean.startswith(b"id: 7\ndata: ") and lean.endswith(b"\n\n")
+    head = b"id: 7\ndata: " if event_ids else b"data: "
+    assert lean.startswith(head) and lean.endswith(b"\n\n")
     body = json.loads(lean.split(b"data: ", 1)[1])
     assert body["choices"][0]["delta"] == {"content": text}
     assert ("usage" in body) is include_usage
@@ -38,3 +42,22 @@ def test_first_and_last_events_keep_role_finish_and_usage() -> None:
     assert finish["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
     assert last[3] == b"data: [DONE]"
+
+
+def test_events_are_framed_as_openai_frames_them_unless_ids_are_asked_for() -> None:
+    plain = ChunkFormatter("chatcmpl-x", "m", 1, True)
+    with_ids = ChunkFormatter("chatcmpl-x", "m", 1, True, event_ids=True)
+    for n, fmt in enumerate((plain, with_ids)):
+        raw = b"".join(
+            fmt.render(c)
+            for c in (make_chunk(1, "a"), make_chunk(2, "b"), make_chunk(3, "c", finish_reason="stop"))
+        )
+        events = raw.split(b"\n\n")[:-1]
+        ids = [e.split(b"\n", 1)[0] for e in events if e.startswith(b"id: ")]
+        if n == 0:
+            # Every event is one data line: a blank-line splitter that strips "data: " reads
+            # each one.
+            assert ids == [] and all(e.startswith(b"data: ") for e in events)
+            assert all(b"\n" not in e for e in events)
+        else:
+            assert ids == [b"id: 1", b"id: 2", b"id: 3", b"id: 3", b"id: 3"]
