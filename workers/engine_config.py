@@ -27,7 +27,10 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(default=2048, ge=64)
     max_num_seqs: int = Field(default=32, ge=1, description="Batch slots per replica.")
     max_num_batched_tokens: int | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool = Field(
+        default=False,
+        description="True: no torch.compile / CUDA graphs (faster start, slower tokens).",
+    )
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     tensor_parallel_size: int = Field(
@@ -111,6 +114,11 @@ class EngineConfig(BaseModel):
         }
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
+            if not self.enforce_eager:
+                # vLLM 0.32's ahead-of-time compile artifacts fail to load on the CPU
+                # ("'function' object has no attribute 'finalize_loading'"), so every start
+                # compiled again (about 120 s here); torch.compile's own cache loads (64 s).
+                env["VLLM_USE_AOT_COMPILE"] = "0"
         return env
 
     def server_args(self, model_path: str, host: str, port: int) -> list[str]:
