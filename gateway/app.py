@@ -21,29 +21,23 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from cluster import heap
-from cluster.keys import Keys
-from cluster.logging import configure_logging
-from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from cluster.metrics import GatewayMetrics, read_worker_metrics, render_all
-from cluster.models import resolve_model
-from cluster.queue import JobQueue
-from cluster.redis import connect
-from cluster.settings import Settings
-from cluster.tenants import ApiKeys, Limits, RateLimiter
-from gateway.admission import Admitter, admit
-from gateway.batches import install as install_batches
-from gateway.capacity import CapacityView
-from gateway.characters import CharacterStore, PersonaChat
-from gateway.characters import router as characters_router
-from gateway.chat import ChatService, now_ms
-from gateway.direct import RAW_SEND
-from gateway.edge import Authenticator, EdgeMiddleware, new_request_id
-from gateway.errors import APIError, BadRequest, document_errors, error_response
-from gateway.prompts import PromptBuilder
-from gateway.relay import Inbox
-from gateway.resume import load_meta, parse_last_event_id, replay
-from gateway.schemas import (
+from cluster.runtime import gc_policy as heap
+from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.logs import configure_logging
+from cluster.runtime.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from cluster.runtime.prometheus import GatewayMetrics, read_worker_metrics, render_all
+from cluster.runtime.redis_server import connect
+from cluster.runtime.settings import Settings
+from cluster.wire.keys import Keys
+from cluster.wire.queue import JobQueue
+from cluster.wire.tenants import ApiKeys, Limits, RateLimiter
+from gateway.batches.routes import install as install_batches
+from gateway.characters.store import CharacterStore, PersonaChat
+from gateway.characters.store import router as characters_router
+from gateway.chat.admission import Admitter, admit
+from gateway.chat.capacity import CapacityView
+from gateway.chat.prompts import PromptBuilder
+from gateway.chat.schemas import (
     CHAT_COMPLETION_EXTRA,
     CHAT_COMPLETION_RESPONSES,
     CHAT_EVENTS_EXTRA,
@@ -53,6 +47,12 @@ from gateway.schemas import (
     READY_RESPONSES,
     ChatCompletionRequest,
 )
+from gateway.chat.service import ChatService, now_ms
+from gateway.http.errors import APIError, BadRequest, document_errors, error_response
+from gateway.http.middleware import Authenticator, EdgeMiddleware, new_request_id
+from gateway.streaming.relay import Inbox
+from gateway.streaming.resume import load_meta, parse_last_event_id, replay
+from gateway.streaming.socket_writer import RAW_SEND
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +99,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 class GatewayApp(FastAPI):
     """FastAPI that keeps the server's own ``send`` in the scope (:data:`RAW_SEND`): the
-    chat route's streams write tokens through it (see :mod:`gateway.direct`)."""
+    chat route's streams write tokens through it (see :mod:`gateway.streaming.socket_writer`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.models import resolve_model
-from cluster.redis import RedisServer, connect
+from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.redis_server import RedisServer, connect
+from cluster.wire.keys import Keys
 
 
 @pytest.fixture(scope="session")

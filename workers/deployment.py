@@ -21,15 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from cluster import heap
-from cluster.keys import Keys
-from cluster.logging import configure_logging
-from cluster.models import resolve_model
-from cluster.queue import QueuePolicy
-from workers.consumer import Consumer, ConsumerConfig
-from workers.engine import Engine, VllmEngine
-from workers.engine_config import EngineConfig
-from workers.simulated import SimulatedConfig, SimulatedEngine
+from cluster.runtime import gc_policy as heap
+from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.logs import configure_logging
+from cluster.wire.keys import Keys
+from cluster.wire.queue import QueuePolicy
+from workers.engines.config import EngineConfig
+from workers.engines.simulated import SimulatedConfig, SimulatedEngine
+from workers.engines.vllm_engine import Engine, VllmEngine
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 log = structlog.get_logger(__name__)
 

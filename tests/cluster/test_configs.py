@@ -26,11 +26,11 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve._private.config import ReplicaConfig
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.deploy import BACKLOG_POLICY, DeployError, gateway_env
-from cluster.deploy import prepare_config as prepare_deploy
-from cluster.settings import Settings
-from workers.backlog import BacklogConfig
+from cluster.ops.deploy import BACKLOG_POLICY, DeployError, gateway_env
+from cluster.ops.deploy import prepare_config as prepare_deploy
+from cluster.runtime.settings import Settings
 from workers.deployment import WorkerArgs, graceful_shutdown_timeout_s
+from workers.scaling.backlog import BacklogConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "ray-configs"
 

@@ -15,8 +15,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.keys import Keys
-from cluster.metrics import (
+from cluster.runtime.prometheus import (
     ITL_BUCKETS,
     GatewayMetrics,
     TokenHistogram,
@@ -28,6 +27,7 @@ from cluster.metrics import (
     render_worker_metrics,
     run_worker_exporter,
 )
+from cluster.wire.keys import Keys
 from tests.fakes import make_chunk
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "charserve.json"

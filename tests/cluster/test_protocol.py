@@ -8,8 +8,8 @@ import inspect
 import msgpack
 import pytest
 
-from cluster import protocol
-from cluster.protocol import Cancel, Chunk, ChunkBatch, Job, ProtocolError, WorkerStats
+from cluster.wire import protocol
+from cluster.wire.protocol import Cancel, Chunk, ChunkBatch, Job, ProtocolError, WorkerStats
 
 
 def _job() -> Job:

@@ -7,11 +7,11 @@ import dataclasses
 
 import redis.asyncio as aioredis
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Cancel, Job
-from cluster.queue import JobQueue, Poison
-from cluster.redis import connect
+from cluster.runtime.redis_server import connect
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Cancel, Job
+from cluster.wire.queue import JobQueue, Poison
 
 
 def job(job_id: str, arrival_ms: int, deadline_ms: int) -> Job:

@@ -16,10 +16,10 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError
 
-from cluster.keys import Keys
-from cluster.protocol import Job
-from cluster.queue import JobQueue
-from cluster.redis import RedisServer, TlsFiles, check_url, connect, redacted_url
+from cluster.runtime.redis_server import RedisServer, TlsFiles, check_url, connect, redacted_url
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Job
+from cluster.wire.queue import JobQueue
 
 USER = ("charserve", "s3cret p@ss:/word")  # needs percent-encoding in the URL
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from cluster import sse_client
-from cluster.bench import Sample
-from cluster.sse_client import ProtocolViolation, _StreamProtocol
+from cluster.bench import lean_client as sse_client
+from cluster.bench.lean_client import ProtocolViolation, _StreamProtocol
+from cluster.bench.load import Sample
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 

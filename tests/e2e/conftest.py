@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.redis import free_port
+from cluster.runtime.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600
@@ -105,7 +105,7 @@ def stack(redis_url: str) -> Iterator[Stack]:
     env.pop("RAY_ADDRESS", None)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "up"],
+            [sys.executable, "-m", "cluster.ops.cli", "up"],
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -17,8 +17,8 @@ from typing import Any
 import openai
 import pytest
 
-from cluster.backfill import Options, backfill
-from cluster.redis import free_port
+from cluster.backfill.driver import Options, backfill
+from cluster.runtime.redis_server import free_port
 from tests.e2e.conftest import ROOT, Stack
 from tests.polling import eventually
 
@@ -141,7 +141,7 @@ def _start_gateway(stack: Stack, port: int, log: Path) -> subprocess.Popen[bytes
     }
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "gateway"],
+            [sys.executable, "-m", "cluster.ops.cli", "gateway"],
             cwd=ROOT,
             env=env,
             stdout=out,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.cards import card_to_png
+from cluster.characters.cards import card_to_png
 from tests.e2e.conftest import Stack
 
 pytestmark = pytest.mark.e2e

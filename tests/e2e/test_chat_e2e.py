@@ -12,10 +12,10 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Chunk
-from cluster.replylog import read_log
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Chunk
+from cluster.wire.replylog import read_log
 from tests.e2e.conftest import Stack
 from tests.polling import eventually
 

@@ -18,14 +18,14 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.local import deploy
-from cluster.replylog import read_log
-from gateway.prompts import PromptBuilder
-from gateway.schemas import ChatCompletionRequest
+from cluster.ops.stack import deploy
+from cluster.wire.keys import Keys
+from cluster.wire.replylog import read_log
+from gateway.chat.prompts import PromptBuilder
+from gateway.chat.schemas import ChatCompletionRequest
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
-from workers.simulated import simulated_text, simulated_token
+from workers.engines.simulated import simulated_text, simulated_token
 
 pytestmark = pytest.mark.e2e
 

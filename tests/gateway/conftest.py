@@ -14,12 +14,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from cluster.keys import Keys
-from cluster.redis import free_port
-from cluster.settings import Settings
+from cluster.runtime.redis_server import free_port
+from cluster.runtime.settings import Settings
+from cluster.wire.keys import Keys
 from gateway.app import create_app
 from tests.fakes import FakeEngine
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 
 @dataclass

@@ -10,12 +10,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Job, WorkerStats
-from cluster.queue import JobQueue
-from gateway.admission import estimate_ttft_ms
-from gateway.capacity import Capacity, summarize
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Job, WorkerStats
+from cluster.wire.queue import JobQueue
+from gateway.chat.admission import estimate_ttft_ms
+from gateway.chat.capacity import Capacity, summarize
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.backfill import (
+from cluster.backfill.driver import (
     Options,
     Plan,
     backfill,
@@ -243,7 +243,7 @@ async def test_a_conversation_longer_than_the_window_keeps_going_with_recent_tur
 
 @pytest.mark.parametrize("raw", ['{"id": "x", "character_id": "c", "turns": 0}', "[1, 2]"])
 def test_parse_spec_refuses_bad_lines(raw: str) -> None:
-    from cluster.backfill import LineError
+    from cluster.backfill.driver import LineError
 
     with pytest.raises(LineError):
         parse_spec(raw, 1)

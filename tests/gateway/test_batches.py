@@ -17,18 +17,18 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from cluster.keys import Keys
-from cluster.redis import free_port
-from cluster.settings import Settings
-from cluster.tenants import ApiKeys
+from cluster.runtime.redis_server import free_port
+from cluster.runtime.settings import Settings
+from cluster.wire.keys import Keys
+from cluster.wire.tenants import ApiKeys
 from gateway.app import create_app
-from gateway.batch_runner import BatchRunner, parse_input
-from gateway.batch_store import BatchConfig, BatchKeys
-from gateway.batches import install
+from gateway.batches.routes import install
+from gateway.batches.runner import BatchRunner, parse_input
+from gateway.batches.store import BatchConfig, BatchKeys
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 MODEL = "smollm2-135m-instruct"
 FAST = BatchConfig(lease_ms=1_000, poll_ms=50, retry_max_s=0.2, max_file_bytes=256 * 1024)
@@ -108,7 +108,7 @@ class Stack:
 async def stack(redis_url: str, model_path: str) -> AsyncIterator[Stack]:
     settings = gateway_settings(redis_url, model_path, auth_cache_s=0)
     keys = Keys(settings.namespace)
-    from cluster.redis import connect
+    from cluster.runtime.redis_server import connect
 
     admin = connect(redis_url)
     api_keys = ApiKeys(admin, keys)

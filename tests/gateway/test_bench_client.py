@@ -7,8 +7,8 @@ import random
 
 import httpx
 
-from cluster.bench import one_request, poisson_stream, request_body, run_round_procs
-from cluster.sse_client import LeanClient
+from cluster.bench.lean_client import LeanClient
+from cluster.bench.load import one_request, poisson_stream, request_body, run_round_procs
 from tests.gateway.conftest import Gateway
 
 MODEL = "smollm2-135m-instruct"

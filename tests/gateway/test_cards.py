@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cards import (
+from cluster.characters.cards import (
     MAX_CARD_BYTES,
     MAX_PNG_BYTES,
     PNG_SIGNATURE,

@@ -12,11 +12,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from gateway.cards import card_to_png
+from cluster.characters.cards import card_to_png
+from cluster.wire.keys import Keys
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import Gateway, gateway_settings, serve_gateway
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 MODEL = "smollm2-135m-instruct"
 

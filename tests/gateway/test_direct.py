@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from cluster.protocol import Chunk
-from gateway.direct import ConnectionWriter
-from gateway.relay import ReplyStream
+from cluster.wire.protocol import Chunk
+from gateway.streaming.relay import ReplyStream
+from gateway.streaming.socket_writer import ConnectionWriter
 from tests.fakes import make_chunk
 from tests.gateway.conftest import Gateway
 

@@ -36,15 +36,15 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from cluster.keys import Keys
-from cluster.redis import connect
-from cluster.settings import Settings
-from cluster.tenants import ApiKeys
-from gateway.errors import ErrorBody
-from gateway.schemas import ChatCompletionChunk
+from cluster.runtime.redis_server import connect
+from cluster.runtime.settings import Settings
+from cluster.wire.keys import Keys
+from cluster.wire.tenants import ApiKeys
+from gateway.chat.schemas import ChatCompletionChunk
+from gateway.http.errors import ErrorBody
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 MODEL = "smollm2-135m-instruct"
 MAX_EXAMPLES = 25

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.cards import Card, parse_card_json
-from gateway.persona import (
+from cluster.characters.cards import Card, parse_card_json
+from cluster.characters.persona import (
     Assembled,
     Message,
     PromptTooLong,

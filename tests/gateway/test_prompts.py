@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.prompts import PromptBuilder
+from gateway.chat.prompts import PromptBuilder
 
 
 @pytest.mark.parametrize(

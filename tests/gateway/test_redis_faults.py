@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.keys import Keys
-from cluster.redis import RedisServer, free_port
+from cluster.runtime.redis_server import RedisServer, free_port
+from cluster.wire.keys import Keys
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 MODEL = "smollm2-135m-instruct"
 TOKENS = 40

@@ -9,11 +9,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Chunk
-from gateway.relay import Inbox, SlowConsumer
-from gateway.resume import RequestMeta
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Chunk
+from gateway.streaming.relay import Inbox, SlowConsumer
+from gateway.streaming.resume import RequestMeta
 from tests.gateway.conftest import Gateway
 
 MODEL = "smollm2-135m-instruct"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.sse import ChunkFormatter
+from gateway.streaming.sse import ChunkFormatter
 from tests.fakes import make_chunk
 
 
@@ -50,7 +50,11 @@ def test_events_are_framed_as_openai_frames_them_unless_ids_are_asked_for() -> N
     for n, fmt in enumerate((plain, with_ids)):
         raw = b"".join(
             fmt.render(c)
-            for c in (make_chunk(1, "a"), make_chunk(2, "b"), make_chunk(3, "c", finish_reason="stop"))
+            for c in (
+                make_chunk(1, "a"),
+                make_chunk(2, "b"),
+                make_chunk(3, "c", finish_reason="stop"),
+            )
         )
         events = raw.split(b"\n\n")[:-1]
         ids = [e.split(b"\n", 1)[0] for e in events if e.startswith(b"id: ")]

@@ -9,11 +9,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.tenants import ApiKeys, Limits
+from cluster.wire.keys import Keys
+from cluster.wire.tenants import ApiKeys, Limits
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import Gateway, gateway_settings, serve_gateway
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 MODEL = "smollm2-135m-instruct"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -37,7 +37,7 @@ async def keyed(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
 
 @pytest.fixture(scope="module")
 async def api_keys(keyed: Gateway, redis_url: str) -> AsyncIterator[ApiKeys]:
-    from cluster.redis import connect
+    from cluster.runtime.redis_server import connect
 
     client = connect(redis_url)
     yield ApiKeys(client, keyed.keys)
@@ -179,7 +179,7 @@ async def test_bounds_are_checked_before_anything_is_queued(
 def test_keys_command_line(
     redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cluster.cli import main
+    from cluster.ops.cli import main
 
     monkeypatch.setenv("CHARSERVE_REDIS_URL", redis_url)
     monkeypatch.setenv("CHARSERVE_NAMESPACE", keys.namespace)

@@ -23,15 +23,15 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.local import wait_ready
-from cluster.protocol import WorkerStats
-from cluster.redis import free_port
-from gateway.prompts import PromptBuilder
-from gateway.schemas import ChatCompletionRequest
+from cluster.ops.stack import wait_ready
+from cluster.runtime.redis_server import free_port
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import WorkerStats
+from gateway.chat.prompts import PromptBuilder
+from gateway.chat.schemas import ChatCompletionRequest
 from tests.multinode.raycluster import LocalRayCluster
-from workers.simulated import simulated_text, simulated_token
+from workers.engines.simulated import simulated_text, simulated_token
 
 MODEL = "smollm2-135m-instruct"
 
@@ -76,7 +76,7 @@ async def charserve_deploy(
         "CHARSERVE_NAMESPACE": keys.namespace,
         "CHARSERVE_LOG_FORMAT": "console",
     }
-    command = [sys.executable, "-m", "cluster.cli", "deploy", "--config", str(path)]
+    command = [sys.executable, "-m", "cluster.ops.cli", "deploy", "--config", str(path)]
     done = await asyncio.to_thread(
         subprocess.run, [*command, "--timeout-s", "120"], env=env, capture_output=True, timeout=180
     )
@@ -105,7 +105,7 @@ async def gateway_processes(
         "CHARSERVE_MAX_MODEL_LEN": "2048",
         "CHARSERVE_LOG_FORMAT": "console",
     }
-    command = [sys.executable, "-m", "cluster.cli", "gateway"]
+    command = [sys.executable, "-m", "cluster.ops.cli", "gateway"]
     proc = await asyncio.to_thread(subprocess.Popen, command, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -28,9 +28,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.replylog import read_log
-from gateway.prompts import PromptBuilder
+from cluster.wire.keys import Keys
+from cluster.wire.replylog import read_log
+from gateway.chat.prompts import PromptBuilder
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.multinode.conftest import (
     Reply,
@@ -78,7 +78,7 @@ def autoscaled_app() -> dict[str, Any]:
                 "upscale_delay_s": 0,
                 "downscale_delay_s": 8,
                 "policy": {
-                    "policy_function": "workers.autoscaling:BacklogPolicy",
+                    "policy_function": "workers.scaling.policy:BacklogPolicy",
                     "policy_kwargs": {
                         "target_utilization": 1.0,
                         "job_s_prior": 8.0,

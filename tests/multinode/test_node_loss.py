@@ -20,9 +20,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.replylog import read_log
-from gateway.prompts import PromptBuilder
+from cluster.wire.keys import Keys
+from cluster.wire.replylog import read_log
+from gateway.chat.prompts import PromptBuilder
 from tests.multinode.conftest import (
     charserve_deploy,
     chat,

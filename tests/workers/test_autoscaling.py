@@ -13,12 +13,11 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 from ray.serve.config import AutoscalingPolicy
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Job, WorkerStats
-from cluster.queue import JobQueue
-from workers.autoscaling import BacklogPolicy
-from workers.backlog import (
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Job, WorkerStats
+from cluster.wire.queue import JobQueue
+from workers.scaling.backlog import (
     BacklogConfig,
     BacklogWatch,
     JobDuration,
@@ -27,6 +26,7 @@ from workers.backlog import (
     need_starts_per_s,
     read_snapshot,
 )
+from workers.scaling.policy import BacklogPolicy
 
 NOW_MS = 1_000_000_000
 
@@ -173,7 +173,7 @@ async def test_policy_built_like_serve_builds_it_scales_on_the_queue(
 ) -> None:
     # Ray pickles the policy class by value and builds it with policy_kwargs.
     spec = AutoscalingPolicy(
-        policy_function="workers.autoscaling:BacklogPolicy",
+        policy_function="workers.scaling.policy:BacklogPolicy",
         policy_kwargs={
             "redis_url": redis_url,
             "namespace": keys.namespace,

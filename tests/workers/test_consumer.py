@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Chunk, Job, WorkerStats
-from cluster.queue import JobQueue
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Chunk, Job, WorkerStats
+from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine, FakePushEngine
 from tests.polling import Signal, eventually
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 
 def now_ms() -> int:
@@ -81,7 +81,7 @@ class Inbox:
 @pytest.fixture(params=[FakeEngine, FakePushEngine], ids=["generator", "push"])
 async def engine(request: pytest.FixtureRequest) -> FakeEngine:
     """Every consumer test runs with outputs iterated from ``generate`` and with outputs
-    pushed by the engine (workers.engine.run_generation): the behaviour must not differ."""
+    pushed by the engine (workers.engines.vllm_engine.run_generation): the behaviour must not differ."""
     engine_cls: type[FakeEngine] = request.param
     return engine_cls(max_slots=2)
 

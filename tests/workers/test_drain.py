@@ -8,11 +8,11 @@ import dataclasses
 
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.queue import JobQueue
+from cluster.wire.keys import Keys
+from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
-from workers.consumer import Consumer, ConsumerConfig
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 FAST = ConsumerConfig(lease_ms=300, heartbeat_ms=50, drain_timeout_s=0.1)
 

@@ -8,13 +8,13 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from cluster import protocol
-from cluster.keys import Keys
-from cluster.protocol import Chunk, Job
-from cluster.replylog import read_log
-from workers import publisher as publisher_module
-from workers.engine import EngineOutput
-from workers.publisher import Publisher, RequestStream
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Chunk, Job
+from cluster.wire.replylog import read_log
+from workers.engines.vllm_engine import EngineOutput
+from workers.loop import publisher as publisher_module
+from workers.loop.publisher import Publisher, RequestStream
 
 
 def _stream(request_id: str, reply_to: str) -> RequestStream:

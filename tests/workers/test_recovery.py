@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.protocol import Job
-from cluster.queue import JobQueue
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Job
+from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
-from workers.consumer import Consumer, ConsumerConfig
-from workers.publisher import Publisher, RequestStream
+from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.publisher import Publisher, RequestStream
 
 FAST = ConsumerConfig(lease_ms=300, heartbeat_ms=50, max_attempts=3, batch_reserve_slots=2)
 

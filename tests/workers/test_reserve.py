@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.queue import JobQueue
+from cluster.wire.keys import Keys
+from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
-from workers import reserve as reserve_module
-from workers.consumer import Consumer, ConsumerConfig
-from workers.reserve import BatchReserve
+from workers.loop import reserve as reserve_module
+from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.reserve import BatchReserve
 
 
 class Clock:

@@ -23,13 +23,13 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from workers.engine import BATCH_PRIORITY_BASE
-from workers.engine_config import BATCH_PREFILL_ENV
-from workers.scheduling import (
+from workers.engines.config import BATCH_PREFILL_ENV
+from workers.engines.scheduler import (
     MAX_YIELD_STEPS,
     LatencyFirstScheduler,
     latency_first_scheduler,
 )
+from workers.engines.vllm_engine import BATCH_PRIORITY_BASE
 
 BLOCK = 16
 TOKEN_BUDGET = 256

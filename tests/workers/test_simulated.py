@@ -11,13 +11,18 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.keys import Keys
-from cluster.protocol import Job
-from cluster.queue import JobQueue
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Job
+from cluster.wire.queue import JobQueue
 from tests.workers.test_consumer import Inbox, make_job
-from workers.consumer import Consumer, ConsumerConfig
-from workers.engine import EngineOutput, run_generation
-from workers.simulated import SimulatedConfig, SimulatedEngine, simulated_text, simulated_token
+from workers.engines.simulated import (
+    SimulatedConfig,
+    SimulatedEngine,
+    simulated_text,
+    simulated_token,
+)
+from workers.engines.vllm_engine import EngineOutput, run_generation
+from workers.loop.consumer import Consumer, ConsumerConfig
 
 FAST = SimulatedConfig(max_num_seqs=8, step_base_ms=1, step_ms_per_seq=0, prefill_ms_per_token=0)
 

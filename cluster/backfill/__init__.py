@@ -1,0 +1,1 @@
+"""``charserve backfill``: multi-turn character dialogues generated through a gateway."""

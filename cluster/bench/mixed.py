@@ -1,0 +1,166 @@
+"""``charserve bench-mixed``: interactive chat beside a saturating batch load.
+
+An open-loop interactive stream (Poisson arrivals at ``--rate``, short replies) and a
+closed-loop batch load (``--batch-concurrency`` requests always in flight, ``X-Priority:
+batch``, long replies) run in three phases of ``--duration`` seconds each: interactive
+alone, batch alone, both together. It reports interactive TTFT p50/p99 and batch output
+tokens/s per phase.
+
+Give it two gateways in front of the same Redis and workers, one with
+``CHARSERVE_QUEUE_POLICY=edf`` and one with ``fifo``, and the two policies are measured in
+one run, phase by phase, side by side. Interactive requests carry a generous latency budget
+(``--interactive-budget-ms``) so that both policies serve them all and the comparison is
+of scheduling alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cluster.bench.load import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
+
+
+async def _phase(
+    url: str, args: argparse.Namespace, interactive: bool, batch: bool, seed: int
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    inter_headers = {
+        "X-Priority": "interactive",
+        "X-Latency-Budget-Ms": str(args.interactive_budget_ms),
+    }
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        start = time.perf_counter()
+        stop_at = start + args.duration
+        batch_samples: list[Sample] = []
+        inter_samples: list[Sample] = []
+
+        async def batch_worker() -> None:
+            while time.perf_counter() < stop_at:
+                batch_samples.append(
+                    await one_request(
+                        client,
+                        url,
+                        args.model,
+                        args.batch_max_tokens,
+                        rng.choice(USER_PROMPTS),
+                        {"X-Priority": "batch"},
+                    )
+                )
+
+        async def interactive_stream() -> None:
+            stop = asyncio.Event()
+            asyncio.get_running_loop().call_later(args.duration, stop.set)
+            inter_samples.extend(
+                await poisson_stream(
+                    client,
+                    url,
+                    args.model,
+                    args.interactive_max_tokens,
+                    args.rate,
+                    rng,
+                    inter_headers,
+                    stop,
+                )
+            )
+
+        jobs = []
+        if batch:
+            jobs += [batch_worker() for _ in range(args.batch_concurrency)]
+        if interactive:
+            jobs.append(interactive_stream())
+        await asyncio.gather(*jobs)
+        wall = time.perf_counter() - start
+    ok_inter = [s for s in inter_samples if s.ok]
+    ok_batch = [s for s in batch_samples if s.ok]
+    return {
+        "interactive_requests": len(inter_samples),
+        "interactive_errors": len(inter_samples) - len(ok_inter),
+        "interactive_ttft_p50_ms": round(percentile([s.ttft_s for s in ok_inter], 50) * 1e3, 1),
+        "interactive_ttft_p99_ms": round(percentile([s.ttft_s for s in ok_inter], 99) * 1e3, 1),
+        "batch_requests": len(batch_samples),
+        "batch_errors": len(batch_samples) - len(ok_batch),
+        "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1),
+        "wall_s": round(wall, 1),
+        "first_error": next((s.error for s in inter_samples + batch_samples if not s.ok), ""),
+    }
+
+
+async def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the three phases for each target, interleaved phase by phase."""
+    targets = dict(zip(args.labels.split(","), [args.base_url, *args.compare], strict=False))
+    phases = {"interactive_only": (True, False), "batch_only": (False, True), "mixed": (True, True)}
+    results: dict[str, dict[str, Any]] = {label: {} for label in targets}
+    for seed, (phase, (inter, batch)) in enumerate(phases.items()):
+        for label, url in targets.items():
+            results[label][phase] = await _phase(url, args, inter, batch, seed)
+    summary: dict[str, Any] = {}
+    for label, r in results.items():
+        alone, mixed = r["interactive_only"], r["mixed"]
+        summary[label] = {
+            "ttft_p99_mixed_over_alone": round(
+                mixed["interactive_ttft_p99_ms"] / alone["interactive_ttft_p99_ms"], 2
+            ),
+            "batch_throughput_kept": round(
+                mixed["batch_tokens_per_s"] / r["batch_only"]["batch_tokens_per_s"], 2
+            ),
+        }
+    labels = list(targets)
+    if len(labels) == 2:
+        a, b = (results[x]["mixed"]["interactive_ttft_p99_ms"] for x in labels)
+        summary[f"mixed_ttft_p99_{labels[1]}_over_{labels[0]}"] = round(b / a, 2)
+    return {
+        "workload": vars(args) | {"compare": args.compare},
+        "results": results,
+        "summary": summary,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``charserve bench-mixed``."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--compare", action="append", default=[], help="second gateway URL")
+    parser.add_argument("--labels", default="edf,fifo", help="names of the targets, in order")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rate", type=float, default=1.0, help="interactive requests/s")
+    parser.add_argument("--interactive-max-tokens", type=int, default=16)
+    parser.add_argument("--interactive-budget-ms", type=int, default=600_000)
+    parser.add_argument("--batch-concurrency", type=int, default=48)
+    parser.add_argument("--batch-max-tokens", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
+    parser.add_argument("--output", default=None, help="write the JSON result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``charserve bench-mixed`` and print a table."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    result = asyncio.run(bench_mixed(args))
+    rows = [
+        ("interactive_only", "interactive_ttft_p50_ms"),
+        ("interactive_only", "interactive_ttft_p99_ms"),
+        ("mixed", "interactive_ttft_p50_ms"),
+        ("mixed", "interactive_ttft_p99_ms"),
+        ("batch_only", "batch_tokens_per_s"),
+        ("mixed", "batch_tokens_per_s"),
+        ("mixed", "interactive_errors"),
+        ("mixed", "batch_errors"),
+    ]
+    labels = list(result["results"])
+    print(f"{'phase / metric':<44}" + "".join(f"{label:>14}" for label in labels))
+    for phase, metric in rows:
+        cells = "".join(f"{result['results'][label][phase][metric]:>14}" for label in labels)
+        print(f"{phase + ' ' + metric:<44}{cells}")
+    for key, value in result["summary"].items():
+        print(f"{key}: {value}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    return 0

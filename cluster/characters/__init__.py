@@ -1,0 +1,1 @@
+"""Character cards and persona prompts: pure functions shared by the gateway and the backfill."""

@@ -1,0 +1,1 @@
+"""Operating charserve: the ``charserve`` CLI, the embedded stack, Serve configs and deploys."""

@@ -1,0 +1,217 @@
+"""The ``charserve`` command line.
+
+- ``charserve up``: the embedded stack (what ``make run`` runs).
+- ``charserve gateway``: gateway processes alone, against ``CHARSERVE_REDIS_URL``.
+- ``charserve deploy --config FILE``: deploy a Serve config to a running Ray cluster
+  (``RAY_ADDRESS``); see ``cluster.ops.deploy``.
+- ``charserve keys create|list|revoke|limits``: API keys and per-tenant limits.
+- ``charserve prepare-model``: convert the bundled model once; print its folder.
+- ``charserve bench``: the streaming load generator (see ``cluster.bench.load``).
+- ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench.mixed``).
+
+This is the composition root: it names the gateway app by import string only, so the
+``cluster`` package never imports ``gateway`` or ``workers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from types import FrameType
+
+import structlog
+
+from cluster.runtime.logs import configure_logging
+from cluster.runtime.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(settings: Settings) -> int:
+    """Run the embedded stack until Ctrl-C or SIGTERM."""
+    from cluster.ops.stack import LocalStack
+    from cluster.runtime.redis_server import redacted_url
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    stack = LocalStack(settings)
+    code = 0
+    try:
+        stack.start()
+        log.info(
+            "charserve ready",
+            url=stack.base_url,
+            model=settings.served_model_name,
+            redis_url=redacted_url(stack.redis_url),
+        )
+        sys.stderr.write(f"charserve ready on {stack.base_url}\n")
+        sys.stderr.flush()
+        code = stack.wait()
+    except KeyboardInterrupt:
+        log.info("stopping")
+    finally:
+        stack.stop()
+        log.info("stopped")
+    return code
+
+
+def cmd_gateway(settings: Settings) -> int:
+    """Serve the gateway with uvicorn (``CHARSERVE_GATEWAY_WORKERS`` processes)."""
+    import uvicorn
+
+    if not settings.redis_url:
+        sys.stderr.write("charserve gateway needs CHARSERVE_REDIS_URL\n")
+        return 2
+    uvicorn.run(
+        "gateway.app:create_app",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.gateway_workers,
+        loop="uvloop",
+        http="httptools",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def cmd_prepare_model(settings: Settings) -> int:
+    """Prepare the bundled model (or resolve CHARSERVE_MODEL) and print its path."""
+    from cluster.runtime.bundled_model import resolve_model
+
+    print(resolve_model(settings.model))
+    return 0
+
+
+def _add_keys_arguments(keys: argparse.ArgumentParser) -> None:
+    sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = sub.add_parser("create", help="create a key for a tenant and print it once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--name", default="", help="a label for operators")
+    sub.add_parser("list", help="list keys (ids and tenants, never the keys)")
+    revoke = sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("id")
+    limits = sub.add_parser("limits", help="set a tenant's requests/tokens per minute")
+    limits.add_argument("--tenant", required=True)
+    limits.add_argument("--rpm", type=int, default=0, help="requests per minute (0: none)")
+    limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: none)")
+
+
+def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
+    """Manage API keys in the Redis the gateways use."""
+    import asyncio
+    import json
+
+    from cluster.ops.stack import admin_redis_url
+    from cluster.runtime.redis_server import connect
+    from cluster.wire.keys import Keys
+    from cluster.wire.tenants import ApiKeys, Limits
+
+    async def run() -> int:
+        redis = connect(admin_redis_url(settings), max_connections=4)
+        api_keys = ApiKeys(redis, Keys(settings.namespace))
+        try:
+            if args.keys_command == "create":
+                key, record = await api_keys.create(args.tenant, args.name)
+                sys.stderr.write(f"key {record.id} for tenant {record.tenant}; shown once:\n")
+                print(key)
+            elif args.keys_command == "list":
+                for record in await api_keys.list():
+                    print(
+                        json.dumps(
+                            {
+                                "id": record.id,
+                                "tenant": record.tenant,
+                                "name": record.name,
+                                "created": record.created,
+                            }
+                        )
+                    )
+            elif args.keys_command == "revoke":
+                if not await api_keys.revoke(args.id):
+                    sys.stderr.write(f"no key with id {args.id}\n")
+                    return 1
+            else:
+                await api_keys.set_limits(args.tenant, Limits(args.rpm, args.tpm))
+            return 0
+        finally:
+            await redis.aclose()
+
+    try:
+        return asyncio.run(run())
+    except (ValueError, RuntimeError) as exc:
+        sys.stderr.write(f"charserve keys: {exc}\n")
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``charserve`` console script."""
+    parser = argparse.ArgumentParser(prog="charserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="run the embedded stack on this machine")
+    sub.add_parser("gateway", help="run gateway processes against a shared Redis")
+    sub.add_parser("prepare-model", help="prepare the bundled model and print its folder")
+    deploy = sub.add_parser("deploy", help="deploy a Serve config to a running Ray cluster")
+    deploy.add_argument("--config", required=True, help="Serve config (ray-configs/*.yaml)")
+    deploy.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS)")
+    deploy.add_argument("--timeout-s", type=float, default=900.0, help="wait for RUNNING (s)")
+    _add_keys_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    from cluster.backfill import driver as backfill
+    from cluster.bench import backfill as bench_backfill
+    from cluster.bench import mixed as bench_mixed
+    from cluster.bench import sessions as bench_sessions
+    from cluster.bench.load import add_arguments
+
+    add_arguments(bench)
+    bench_mixed.add_arguments(
+        sub.add_parser("bench-mixed", help="interactive chat beside a saturating batch load")
+    )
+    bench_sessions.add_arguments(
+        sub.add_parser("bench-sessions", help="multi-turn sessions, affinity against none")
+    )
+    backfill.add_arguments(
+        sub.add_parser("backfill", help="generate character dialogues through a gateway")
+    )
+    bench_backfill.add_arguments(
+        sub.add_parser(
+            "bench-backfill",
+            help="backfill against vLLM's offline LLM.chat, and interactive TTFT beside it",
+        )
+    )
+    args = parser.parse_args(argv)
+    settings = Settings()
+    configure_logging(settings.log_level, settings.log_format)
+    if args.command == "up":
+        return cmd_up(settings)
+    if args.command == "gateway":
+        return cmd_gateway(settings)
+    if args.command == "prepare-model":
+        return cmd_prepare_model(settings)
+    if args.command == "deploy":
+        from cluster.ops import deploy as deploy_cmd
+
+        return deploy_cmd.run(args.config, args.address, args.timeout_s, settings)
+    if args.command == "keys":
+        return cmd_keys(settings, args)
+    if args.command == "bench-mixed":
+        return bench_mixed.run(args)
+    if args.command == "bench-sessions":
+        return bench_sessions.run(args)
+    if args.command == "backfill":
+        return backfill.run(args)
+    if args.command == "bench-backfill":
+        return bench_backfill.run(args)
+    from cluster.bench.load import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The embedded stack behind ``charserve up`` (and ``make run``).
+
+Starts what is missing, in order: the bundled model (prepared once), a private
+``redis-server`` unless ``CHARSERVE_REDIS_URL`` names one, a local Ray instance unless
+``RAY_ADDRESS`` names a cluster, the Serve application from ``ray-configs/local-cpu.yaml``,
+and the gateway processes. :meth:`LocalStack.stop` stops everything it started, in reverse.
+
+The Serve config is deployed the way ``serve run CONFIG`` does it (Ray's schema, then the
+controller's ``deploy_apps``), with the Redis URL and the model filled into the app's args,
+so the same file also works with ``serve deploy`` on a running cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import structlog
+import yaml
+
+from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.redis_server import RedisServer
+from cluster.runtime.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def load_serve_config(path: str | Path, redis_url: str, model: str | None) -> dict[str, Any]:
+    """Read a Serve config and fill in ``redis_url`` (and ``engine.model`` when set) for
+    every application whose args leave them out. Validated with Ray's own schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    config: dict[str, Any] = yaml.safe_load(Path(path).read_text())
+    for app in config.get("applications", []):
+        args = app.setdefault("args", {})
+        if not args.get("redis_url"):  # absent or an explicit null
+            args["redis_url"] = redis_url
+        engine = args.setdefault("engine", {})
+        if model and not engine.get("model"):
+            engine["model"] = model
+    ServeDeploySchema.model_validate(config)
+    return config
+
+
+def engine_settings(config: dict[str, Any]) -> dict[str, str]:
+    """Gateway environment that must agree with the first application's engine args."""
+    engine = config["applications"][0].get("args", {}).get("engine", {})
+    env: dict[str, str] = {}
+    if "served_model_name" in engine:
+        env["CHARSERVE_SERVED_MODEL_NAME"] = str(engine["served_model_name"])
+    if "max_model_len" in engine:
+        env["CHARSERVE_MAX_MODEL_LEN"] = str(engine["max_model_len"])
+    return env
+
+
+def deploy(config: dict[str, Any], timeout_s: float = 900.0) -> None:
+    """Deploy a Serve config on the connected Ray cluster and wait until it runs."""
+    from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    client = serve_api.serve_start(
+        http_options=schema.http_options.model_dump(),
+        proxy_location=schema.proxy_location,
+        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+    )
+    client.deploy_apps(schema, _blocking=False)
+    names = [app.name for app in schema.applications]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications
+        states = {n: status[n].status if n in status else "NOT_STARTED" for n in names}
+        if all(s == "RUNNING" for s in states.values()):
+            log.info("serve applications running", apps=names)
+            return
+        failed = {n: status[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
+        if failed:
+            raise RuntimeError(f"Serve deploy failed: {failed}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve applications not running after {timeout_s:.0f}s: {states}")
+        time.sleep(1.0)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
+
+
+def url_file(settings: Settings) -> Path:
+    """Where a running ``charserve up`` writes the URL of its embedded Redis."""
+    return Path(settings.data_dir).expanduser() / "redis.url"
+
+
+def admin_redis_url(settings: Settings) -> str:
+    """The Redis an admin command should use: ``CHARSERVE_REDIS_URL``, else the embedded
+    stack's (while ``charserve up`` runs)."""
+    if settings.redis_url:
+        return settings.redis_url
+    path = url_file(settings)
+    if path.is_file():
+        return path.read_text().strip()
+    raise RuntimeError("set CHARSERVE_REDIS_URL (or start `charserve up` on this machine)")
+
+
+class LocalStack:
+    """Redis, Ray, the Serve app and the gateway on this machine."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._redis: RedisServer | None = None
+        self._ray_started = False
+        self._gateway: subprocess.Popen[bytes] | None = None
+        self.redis_url = settings.redis_url or ""
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's base URL."""
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def start(self) -> None:
+        """Bring everything up; on failure, stop what was started and re-raise."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        import ray
+
+        model = resolve_model(self.settings.model)
+        redis_url = self.settings.redis_url
+        if not redis_url:
+            self._redis = RedisServer(data_dir=self.settings.data_dir).start()
+            redis_url = self._redis.url
+            # `charserve keys` and other admin commands find the embedded Redis here.
+            url_file(self.settings).write_text(redis_url + "\n")
+        self.redis_url = redis_url
+        config = load_serve_config(self.settings.serve_config, redis_url, self.settings.model)
+        address = os.environ.get("RAY_ADDRESS")
+        # ray.init installs its own C-level SIGTERM handler (which aborts the driver);
+        # put ours back afterwards so SIGTERM stops the stack in order.
+        handler = signal.getsignal(signal.SIGTERM)
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            # Lean local Ray: no dashboard, nothing listening beyond 127.0.0.1.
+            ray.init(
+                include_dashboard=False,
+                dashboard_host="127.0.0.1",
+                logging_level=logging.WARNING,
+                _node_ip_address="127.0.0.1",
+            )
+        self._ray_started = True
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+        deploy(config)
+        env = {
+            **os.environ,
+            **engine_settings(config),
+            "CHARSERVE_REDIS_URL": redis_url,
+            "CHARSERVE_MODEL": self.settings.model or model,
+        }
+        self._gateway = subprocess.Popen(
+            [sys.executable, "-m", "cluster.ops.cli", "gateway"], env=env
+        )
+        wait_ready(f"{self.base_url}/ready", self._gateway, timeout_s=300)
+
+    def wait(self) -> int:
+        """Block until the gateway exits; return its exit code."""
+        assert self._gateway is not None
+        return self._gateway.wait()
+
+    def stop(self) -> None:
+        """Stop everything this stack started, newest first."""
+        if self._gateway is not None:
+            if self._gateway.poll() is None:
+                self._gateway.terminate()
+                try:
+                    self._gateway.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    self._gateway.kill()
+                    self._gateway.wait()
+            self._gateway = None
+        if self._ray_started:
+            import ray
+            from ray import serve
+
+            try:
+                serve.shutdown()
+            except Exception as exc:  # Ray may already be gone
+                log.warning("serve shutdown failed", error=str(exc))
+            ray.shutdown()
+            self._ray_started = False
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+            url_file(self.settings).unlink(missing_ok=True)

@@ -1,0 +1,1 @@
+"""What each charserve process sets up: settings, Redis, logs, the collector policy, the bundled model, Prometheus helpers."""

@@ -1,0 +1,609 @@
+"""The batch runner: one asyncio task per gateway process that runs batch lines through the
+same :class:`~gateway.chat.service.ChatService` as live chat, in the ``batch`` class.
+
+Every gateway process runs one. Each polls the active batches in Redis
+(:mod:`gateway.batches.store`) and moves them along:
+
+- ``validating``: parse the input (a lock makes one process do it). A file that is not
+  JSONL at all, is empty, is too long or repeats a ``custom_id`` fails the batch with
+  ``errors`` (OpenAI's rule); a single bad line (not JSON, no ``custom_id``, wrong
+  ``method`` or ``url``, no ``body``) becomes an error-file line with its line number, and
+  the rest goes on. Then ``in_progress``.
+- ``in_progress``: lease lines (at most ``max_in_flight`` per batch across all gateways,
+  ``max_in_flight_per_gateway`` per process) and run them. A lease is renewed while the
+  line runs; a process that dies loses its leases, and whoever takes a line over cancels
+  the job its previous owner left in the queue. A line's result is recorded with
+  ``HSETNX``, so it is written once even if two processes ran it. Refusals that say "not
+  now" (``queue_full``, a tenant rate limit, Redis or the workers briefly away, a timeout)
+  are retried after ``Retry-After`` until the batch expires; other errors are the line's
+  result.
+- When every line has a result: ``finalizing``, the output and error files are assembled
+  in input order, then ``completed``.
+- Past ``expires_at``: running lines are cancelled, the rest get ``batch_expired`` in the
+  error file, then ``expired``. ``cancelling`` (the API's cancel): running lines are
+  cancelled (their jobs leave the queue or are aborted in the engine); once no line holds a
+  live lease, lines that never ran get ``batch_cancelled`` and the batch is ``cancelled``.
+  Both keep the output of the lines that finished.
+
+Output lines follow OpenAI's batch format: ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error": null}``. Error-file lines have the same
+shape, plus ``"line"`` (1-based line number in the input file): an API error is the
+``response`` with its status and OpenAI error body; a line that could not run has
+``"response": null, "error": {"code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+import uuid
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from cluster.runtime.settings import Settings
+from cluster.wire.queue import JobQueue
+from gateway.batches.store import ENDPOINT, BatchConfig, BatchState, BatchStore
+from gateway.chat.admission import admit
+from gateway.chat.schemas import ChatCompletionRequest
+from gateway.chat.service import ChatService, now_ms
+from gateway.http.errors import APIError, BadRequest
+
+log = structlog.get_logger(__name__)
+
+# "Not now" refusals: retried until the batch expires, never the line's result.
+_TRANSIENT_CODES = frozenset(
+    {
+        "queue_full",
+        "rate_limited",
+        "rate_limit_exceeded",
+        "no_workers",
+        "unavailable",
+        "expired",
+        "lost",
+        "cancelled",
+        "timeout",
+    }
+)
+_LOCK_MS = 120_000
+
+
+@dataclass(frozen=True, slots=True)
+class InputLine:
+    """One request line of a batch's input: runnable, or an error with its reason."""
+
+    index: int
+    line_no: int
+    custom_id: str | None
+    body: dict[str, Any] | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(slots=True)
+class ParsedInput:
+    """A parsed input file: its lines, or why the whole file is refused."""
+
+    lines: list[InputLine] = field(default_factory=list)
+    fatal: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _fatal(code: str, message: str, line: int | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None, "line": line}
+
+
+def parse_input(data: bytes, max_lines: int, endpoint: str = ENDPOINT) -> ParsedInput:
+    """Parse a batch input file (JSONL of ``custom_id``, ``method``, ``url``, ``body``)."""
+    parsed = ParsedInput()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        parsed.fatal.append(_fatal("invalid_file", f"the file is not UTF-8 text: {exc}"))
+        return parsed
+    seen: dict[str, int] = {}
+    # Split on newlines only: JSON strings may hold U+2028 and friends.
+    for line_no, raw in enumerate(text.split("\n"), start=1):
+        if not raw.strip():
+            continue
+        index = len(parsed.lines)
+        if index >= max_lines:
+            parsed.fatal.append(
+                _fatal("too_many_requests", f"a batch holds at most {max_lines} requests")
+            )
+            return parsed
+        parsed.lines.append(_parse_line(index, line_no, raw, endpoint))
+        custom_id = parsed.lines[-1].custom_id
+        if custom_id is not None:
+            if custom_id in seen:
+                parsed.fatal.append(
+                    _fatal(
+                        "duplicate_custom_id",
+                        f"custom_id {custom_id!r} on line {line_no} was already used on "
+                        f"line {seen[custom_id]}; each request needs a unique custom_id",
+                        line_no,
+                    )
+                )
+            else:
+                seen[custom_id] = line_no
+    if not parsed.lines:
+        parsed.fatal.append(_fatal("empty_file", "the input file has no requests"))
+    return parsed
+
+
+def _parse_line(index: int, line_no: int, raw: str, endpoint: str) -> InputLine:
+    def bad(code: str, message: str, custom_id: str | None = None) -> InputLine:
+        return InputLine(index, line_no, custom_id, None, code, message)
+
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return bad("invalid_json_line", f"line {line_no} is not valid JSON: {exc}")
+    if not isinstance(obj, dict):
+        return bad("invalid_json_line", f"line {line_no} is not a JSON object")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return bad("missing_custom_id", f"line {line_no} has no custom_id (a non-empty string)")
+    if obj.get("method") != "POST":
+        return bad("invalid_method", f"line {line_no}: method must be POST", custom_id)
+    if obj.get("url") != endpoint:
+        return bad(
+            "invalid_url",
+            f"line {line_no}: url must be {endpoint}, the batch's endpoint, not {obj.get('url')!r}",
+            custom_id,
+        )
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return bad("invalid_body", f"line {line_no}: body must be a JSON object", custom_id)
+    return InputLine(index, line_no, custom_id, body)
+
+
+def _request_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex[:24]}"
+
+
+def _result(
+    kind: bytes, line: InputLine, response: dict[str, Any] | None, error: dict[str, str] | None
+) -> bytes:
+    """A stored result: ``kind`` (``o`` output, ``e`` error) + the file's JSON line. Error
+    lines also carry their input line number."""
+    record: dict[str, Any] = {"id": _request_id(), "custom_id": line.custom_id}
+    if kind == b"e":
+        record["line"] = line.line_no
+    record["response"] = response
+    record["error"] = error
+    return kind + json.dumps(record, separators=(",", ":")).encode()
+
+
+def output_line(line: InputLine, request_id: str, body: dict[str, Any]) -> bytes:
+    """A stored result for a successful request."""
+    return _result(b"o", line, {"status_code": 200, "request_id": request_id, "body": body}, None)
+
+
+def api_error_line(line: InputLine, request_id: str, exc: APIError) -> bytes:
+    """A stored result for a request the API refused."""
+    response = {"status_code": exc.status, "request_id": request_id, "body": exc.body()}
+    return _result(b"e", line, response, None)
+
+
+def error_line(line: InputLine, code: str, message: str) -> bytes:
+    """A stored result for a line that could not run."""
+    return _result(b"e", line, None, {"code": code, "message": message})
+
+
+def assemble_files(results: dict[int, bytes]) -> tuple[bytes, bytes]:
+    """The output and error files (JSONL, in input order) from the stored results."""
+    out: list[bytes] = []
+    err: list[bytes] = []
+    for index in sorted(results):
+        value = results[index]
+        (out if value[:1] == b"o" else err).append(value[1:] + b"\n")
+    return b"".join(out), b"".join(err)
+
+
+def _retry_after_s(exc: APIError, attempt: int, cap_s: float) -> float:
+    hinted = exc.headers.get("Retry-After") if exc.headers else None
+    base = float(hinted) if hinted and hinted.isdigit() else 2.0 ** min(attempt, 6) * 0.25
+    return min(cap_s, base) * (1.0 + random.random() * 0.2)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request"
+    loc = ".".join(str(p) for p in errors[0]["loc"])
+    text = errors[0]["msg"]
+    return f"{loc}: {text}" if loc else text
+
+
+async def _never_disconnects() -> MutableMapping[str, Any]:
+    """The ASGI ``receive`` of a batch line: its 'client' never goes away."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+@dataclass(slots=True)
+class _Running:
+    """A line this process runs: its task and the job id it runs under now."""
+
+    task: asyncio.Task[None]
+    job_id: str
+
+
+class BatchRunner:
+    """Runs the lines of every active batch; ``start()`` / ``close()`` own its tasks."""
+
+    def __init__(
+        self,
+        store: BatchStore,
+        chat: ChatService,
+        queue: JobQueue,
+        settings: Settings,
+        config: BatchConfig,
+    ) -> None:
+        self._store = store
+        self._chat = chat
+        self._queue = queue
+        self._settings = settings
+        self._config = config
+        self._inputs: dict[tuple[str, str], ParsedInput] = {}
+        self._running: dict[tuple[str, str], dict[int, _Running]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    @property
+    def in_flight(self) -> int:
+        """Lines this process runs now."""
+        return sum(len(lines) for lines in self._running.values())
+
+    async def start(self) -> None:
+        """Start polling and renewing."""
+        self._tasks = [
+            asyncio.create_task(self._poll_loop(), name="batch-poll"),
+            asyncio.create_task(self._renew_loop(), name="batch-renew"),
+        ]
+
+    def wake(self) -> None:
+        """Look at the batches now (a batch was created or cancelled, a line finished)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Stop; lines still running are cancelled (their jobs too) and their leases
+        released, so another gateway takes them over at once."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        running = [
+            (ref, idx, r) for ref, lines in self._running.items() for idx, r in lines.items()
+        ]
+        for _, _, r in running:
+            r.task.cancel()
+        await asyncio.gather(*(r.task for _, _, r in running), return_exceptions=True)
+        for (tenant, batch_id), index, r in running:
+            await self._give_up(tenant, batch_id, index, r.job_id)
+
+    # -- the loops ------------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        while not self._closing:
+            self._wake.clear()
+            try:
+                await self.tick()
+            except RedisError as exc:
+                log.warning("batch poll failed", error=str(exc))
+            except Exception:
+                log.exception("batch poll failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._config.poll_ms / 1000)
+
+    async def _renew_loop(self) -> None:
+        period_s = self._config.lease_ms / 3000
+        while not self._closing:
+            await asyncio.sleep(period_s)
+            for (tenant, batch_id), lines in list(self._running.items()):
+                owned = {i: r.job_id for i, r in lines.items()}
+                try:
+                    lost = await self._store.renew(tenant, batch_id, owned, self._config.lease_ms)
+                except RedisError as exc:
+                    log.warning("batch lease renewal failed", error=str(exc))
+                    continue
+                for index in lost:
+                    running = lines.get(index)
+                    if running is not None and owned.get(index) == running.job_id:
+                        log.info("batch line taken over", batch_id=batch_id, line=index)
+                        running.task.cancel()
+
+    async def tick(self) -> None:
+        """One pass over the active batches."""
+        active = await self._store.active()
+        refs = set(active)
+        for ref in list(self._inputs):
+            if ref not in refs and not self._running.get(ref):
+                self._inputs.pop(ref, None)
+        for tenant, batch_id in active:
+            if self._closing:
+                return
+            state = await self._store.batch(tenant, batch_id)
+            if state is None:
+                continue
+            await self._advance(state)
+
+    async def _advance(self, state: BatchState) -> None:
+        ref = (state.tenant, state.id)
+        expired = time.time() >= state.expires_at
+        if state.status in ("validating", "in_progress") and expired:
+            self._stop_lines(ref)
+            await self._finish(state, "expired", fill="batch_expired")
+        elif state.status == "validating":
+            await self._validate(state)
+        elif state.status == "in_progress":
+            if await self._store.result_count(*ref) >= state.total:
+                await self._finish(state, "completed")
+            else:
+                await self._claim(state)
+        elif state.status == "finalizing":
+            await self._finish(state, "completed")
+        elif state.status == "cancelling":
+            self._stop_lines(ref)
+            if not self._running.get(ref) and await self._store.live_leases(*ref) == 0:
+                await self._finish(state, "cancelled", fill="batch_cancelled")
+        else:
+            self._stop_lines(ref)
+
+    def _stop_lines(self, ref: tuple[str, str]) -> None:
+        for running in self._running.get(ref, {}).values():
+            running.task.cancel()
+
+    # -- validating -----------------------------------------------------------------
+
+    async def _parsed(self, state: BatchState) -> ParsedInput | None:
+        ref = (state.tenant, state.id)
+        parsed = self._inputs.get(ref)
+        if parsed is None:
+            data = await self._store.input(*ref)
+            if data is None:
+                return None
+            parsed = await asyncio.to_thread(parse_input, data, self._config.max_lines)
+            self._inputs[ref] = parsed
+        return parsed
+
+    async def _validate(self, state: BatchState) -> None:
+        token = await self._store.lock(state.tenant, state.id, _LOCK_MS)
+        if token is None:
+            return
+        try:
+            parsed = await self._parsed(state)
+            if parsed is None:
+                parsed = ParsedInput(fatal=[_fatal("invalid_file", "the input file is gone")])
+            if parsed.fatal:
+                outcome = await self._store.transition(
+                    state.tenant,
+                    state.id,
+                    ("validating",),
+                    "failed",
+                    "failed_at",
+                    errors=json.dumps(parsed.fatal[:100]),
+                )
+                log.info("batch failed validation", batch_id=state.id, outcome=outcome)
+                return
+            for line in parsed.lines:
+                if line.error_code is not None:
+                    value = error_line(line, line.error_code, line.error_message or "")
+                    await self._store.record(state.tenant, state.id, line.index, value, "failed")
+            # Known even if the batch is cancelled meanwhile, so its counts add up.
+            await self._store.set_total(state.tenant, state.id, len(parsed.lines))
+            outcome = await self._store.transition(
+                state.tenant, state.id, ("validating",), "in_progress", "in_progress_at"
+            )
+            log.info(
+                "batch in progress",
+                batch_id=state.id,
+                tenant=state.tenant,
+                total=len(parsed.lines),
+                outcome=outcome,
+            )
+            self.wake()
+        finally:
+            await self._store.unlock(state.tenant, state.id, token)
+
+    # -- running lines --------------------------------------------------------------
+
+    async def _claim(self, state: BatchState) -> None:
+        ref = (state.tenant, state.id)
+        room = self._config.max_in_flight_per_gateway - self.in_flight
+        if room <= 0 or self._closing:
+            return
+        parsed = await self._parsed(state)
+        if parsed is None:
+            return
+        claims = await self._store.claim(
+            state.tenant, state.id, room, self._config.max_in_flight, self._config.lease_ms
+        )
+        lines = self._running.setdefault(ref, {})
+        for claim in claims:
+            if claim.previous_job_id:
+                # A previous owner died or stalled: its job must not run as well.
+                await self._cancel_job(claim.previous_job_id, "batch_line_taken_over")
+            stale = lines.get(claim.index)
+            if stale is not None:
+                stale.task.cancel()  # this process's own run of it stalled past its lease
+            line = parsed.lines[claim.index]
+            task = asyncio.create_task(self._run_line(state, line, claim.job_id))
+            lines[claim.index] = _Running(task, claim.job_id)
+
+    async def _cancel_job(self, job_id: str, reason: str) -> None:
+        try:
+            await self._queue.cancel(job_id, reason)
+        except RedisError as exc:
+            log.warning("batch job cancel failed", job_id=job_id, error=str(exc))
+
+    async def _give_up(self, tenant: str, batch_id: str, index: int, job_id: str) -> None:
+        """Release a line this process will not finish (and make sure its job is gone)."""
+        try:
+            await self._queue.cancel(job_id, "batch_line_released")
+            await self._store.reown(tenant, batch_id, index, job_id, "")
+        except RedisError as exc:
+            log.warning("batch line release failed", batch_id=batch_id, error=str(exc))
+
+    async def _run_line(self, state: BatchState, line: InputLine, job_id: str) -> None:
+        ref = (state.tenant, state.id)
+        recorded = False
+        try:
+            value, counter = await self._execute(state, line, job_id)
+            done = await self._store.record(state.tenant, state.id, line.index, value, counter)
+            recorded = True
+            if done == 0:
+                log.info("batch line already had a result", batch_id=state.id, line=line.line_no)
+        except asyncio.CancelledError:
+            current = self._running.get(ref, {}).get(line.index)
+            if not recorded and not self._closing and current is not None:
+                if current.task is asyncio.current_task():
+                    job_id = current.job_id
+                await self._give_up(state.tenant, state.id, line.index, job_id)
+            raise
+        except RedisError as exc:
+            log.warning("batch line could not be recorded", batch_id=state.id, error=str(exc))
+        finally:
+            lines = self._running.get(ref, {})
+            mine = lines.get(line.index)
+            if mine is not None and mine.task is asyncio.current_task():
+                del lines[line.index]
+            if not lines:
+                self._running.pop(ref, None)
+            self.wake()
+
+    async def _execute(self, state: BatchState, line: InputLine, job_id: str) -> tuple[bytes, str]:
+        """Run one line until it has a result: (stored value, counter to bump)."""
+        ref = (state.tenant, state.id)
+        assert line.body is not None
+        try:
+            request = ChatCompletionRequest.model_validate({**line.body, "stream": False})
+        except ValidationError as exc:
+            error = BadRequest(_validation_message(exc), code="invalid_value")
+            return api_error_line(line, job_id, error), "failed"
+        failures = 0
+        transient = 0
+        while True:
+            try:
+                return await self._complete_once(state, request, line, job_id), "completed"
+            except APIError as exc:
+                retry = exc.code in _TRANSIENT_CODES or exc.status in (502, 503, 504)
+                if not retry and exc.status < 500:
+                    return api_error_line(line, job_id, exc), "failed"
+                if retry:
+                    transient += 1
+                else:
+                    failures += 1
+                    if failures >= self._config.max_attempts:
+                        return api_error_line(line, job_id, exc), "failed"
+                delay_s = _retry_after_s(exc, transient + failures, self._config.retry_max_s)
+            except RedisError as exc:
+                log.warning("batch line: Redis error", batch_id=state.id, error=str(exc))
+                transient += 1
+                delay_s = min(self._config.retry_max_s, 0.5 * transient)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("batch line failed", batch_id=state.id, line=line.line_no)
+                failures += 1
+                if failures >= self._config.max_attempts:
+                    return error_line(
+                        line, "internal_error", f"the request failed: {exc}"
+                    ), "failed"
+                delay_s = 1.0
+            if time.time() + delay_s >= state.expires_at:
+                delay_s = max(0.0, state.expires_at - time.time())
+            await asyncio.sleep(delay_s)
+            if time.time() >= state.expires_at:
+                return error_line(line, "batch_expired", "the batch expired first"), "failed"
+            # A fresh job id for each try: the last one may still be being cancelled.
+            new_id = f"{job_id.rsplit('-', 1)[0]}-{transient + failures}"
+            if not await self._store.reown(state.tenant, state.id, line.index, job_id, new_id):
+                raise asyncio.CancelledError  # taken over by another process
+            job_id = new_id
+            running = self._running.get(ref, {}).get(line.index)
+            if running is not None:
+                running.job_id = new_id
+
+    async def _complete_once(
+        self, state: BatchState, request: ChatCompletionRequest, line: InputLine, job_id: str
+    ) -> bytes:
+        now = now_ms()
+        budget_ms = max(1, state.expires_at * 1000 - now)
+        # The deadline is the batch's expiry: EDF runs older batches' lines first.
+        admission = admit(self._settings, now, "batch", str(budget_ms))
+        response = await self._chat.complete(
+            request, job_id, admission, state.tenant, _never_disconnects, resumable=False
+        )
+        body = json.loads(bytes(response.body))
+        return output_line(line, job_id, body)
+
+    # -- the end --------------------------------------------------------------------
+
+    async def _finish(self, state: BatchState, to: str, fill: str | None = None) -> None:
+        """Assemble the output and error files and move the batch to ``to`` (idempotent:
+        file ids are derived from the batch id, so a second try rewrites the same files)."""
+        token = await self._store.lock(state.tenant, state.id, _LOCK_MS)
+        if token is None:
+            return
+        tenant, batch_id = state.tenant, state.id
+        try:
+            if to == "completed":
+                outcome = await self._store.transition(
+                    tenant, batch_id, ("in_progress", "finalizing"), "finalizing", "finalizing_at"
+                )
+                if outcome != "ok":
+                    return
+            elif fill is not None and state.total > 0:
+                parsed = await self._parsed(state)
+                missing = await self._store.missing(tenant, batch_id, state.total)
+                message = {
+                    "batch_expired": "This request could not be executed before the "
+                    "completion window expired.",
+                    "batch_cancelled": "The batch was cancelled before this request ran.",
+                }.get(fill, fill)
+                counter = "failed" if fill == "batch_expired" else ""
+                for index in missing:
+                    line = (
+                        parsed.lines[index]
+                        if parsed is not None
+                        else InputLine(index, 0, None, None)
+                    )
+                    await self._store.record(
+                        tenant, batch_id, index, error_line(line, fill, message), counter
+                    )
+            output, errors = assemble_files(await self._store.results(tenant, batch_id))
+            fields: dict[str, str | int] = {}
+            suffix = batch_id.removeprefix("batch_")
+            if output:
+                await self._store.put_file(
+                    tenant, f"{batch_id}_output.jsonl", "batch_output", output,
+                    file_id=f"file-{suffix}-output",
+                )  # fmt: skip
+                fields["output_file_id"] = f"file-{suffix}-output"
+            if errors:
+                await self._store.put_file(
+                    tenant, f"{batch_id}_error.jsonl", "batch_output", errors,
+                    file_id=f"file-{suffix}-errors",
+                )  # fmt: skip
+                fields["error_file_id"] = f"file-{suffix}-errors"
+            allowed = {
+                "completed": ("finalizing",),
+                "expired": ("validating", "in_progress"),
+                "cancelled": ("cancelling",),
+            }[to]
+            outcome = await self._store.transition(
+                tenant, batch_id, allowed, to, f"{to}_at", **fields
+            )
+            log.info("batch finished", batch_id=batch_id, tenant=tenant, status=to, outcome=outcome)
+        finally:
+            await self._store.unlock(tenant, batch_id, token)
+        self._inputs.pop((tenant, batch_id), None)

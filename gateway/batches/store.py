@@ -1,0 +1,691 @@
+"""Files and batches of the OpenAI Batch API, kept in Redis so they outlive any gateway.
+
+A batch is an uploaded JSONL file of chat requests that runs at low priority on the same
+queue as live chat (:mod:`gateway.batches.runner` runs it). Everything a batch is lives in
+Redis: its object, a private copy of its input, one result per line, and the leases of the
+lines being run, so a gateway that restarts (or any other gateway) picks up where another
+stopped, and a line's result is written exactly once (``HSETNX``).
+
+Layout (under the namespace; ``{t}`` is the tenant, so another tenant's id is simply not
+found):
+
+- ``file:{t}:{id}`` hash: the file object (``bytes``, ``created_at``, ``filename``,
+  ``purpose``); ``file-data:{t}:{id}`` string: its content; ``files:{t}`` sorted set of the
+  tenant's file ids by creation (ms).
+- ``batch-obj:{t}:{id}`` hash: ``status``, the OpenAI timestamps, ``total``,
+  ``completed``, ``failed``, ``cursor`` (next line never claimed), ``output_file_id``,
+  ``error_file_id``, ``errors`` (JSON) and ``static`` (JSON: the fields that never change).
+- ``batch-list:{t}`` sorted set of the tenant's batch ids by creation (ms).
+- ``batch-active`` set of ``{t}/{id}`` for every batch not yet in a final state: what the
+  runners poll.
+- ``batch-input:{t}:{id}`` string: the input file, copied when the batch is created (so
+  deleting the file does not strand the batch).
+- ``batch-results:{t}:{id}`` hash: line index -> ``o`` or ``e`` + the output/error line.
+- ``batch-leases:{t}:{id}`` sorted set: line index -> lease expiry (Redis time, ms).
+- ``batch-owners:{t}:{id}`` hash: line index -> id of the job running it now.
+- ``batch-lock:{t}:{id}`` string: who validates or finalizes the batch right now.
+
+The per-batch result, lease, owner and input keys are deleted when the batch reaches a
+final state; its object and files stay.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import redis.asyncio as aioredis
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cluster.wire.keys import Keys
+from cluster.wire.queue import NOW_MS_LUA
+
+ENDPOINT: Final = "/v1/chat/completions"
+COMPLETION_WINDOW: Final = "24h"
+WINDOW_S: Final = 24 * 3600
+FINAL_STATUSES: Final = ("failed", "completed", "expired", "cancelled")
+Status = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+    "cancelled",
+]  # fmt: skip
+_TIMESTAMPS = (
+    "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+    "cancelling_at", "cancelled_at",
+)  # fmt: skip
+
+
+class BatchConfig(BaseSettings):
+    """Batch knobs (environment prefix ``CHARSERVE_BATCH_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CHARSERVE_BATCH_", extra="ignore")
+
+    lease_ms: int = Field(
+        default=15_000,
+        ge=100,
+        description="A running line's lease; a gateway that dies loses its lines this long "
+        "after its last renewal, and another gateway takes them over.",
+    )
+    max_in_flight: int = Field(
+        default=64, ge=1, description="Lines of one batch in the queue at once, all gateways."
+    )
+    max_in_flight_per_gateway: int = Field(
+        default=128, ge=1, description="Lines one gateway process runs at once, all batches."
+    )
+    poll_ms: int = Field(default=1_000, ge=10, description="How often runners look for work.")
+    max_file_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest uploaded file (the gateway's body bound applies too).",
+    )
+    max_lines: int = Field(default=50_000, ge=1, description="Most requests in one batch.")
+    max_attempts: int = Field(
+        default=3, ge=1, description="Runs of a line that fail unexpectedly before it fails."
+    )
+    retry_max_s: float = Field(
+        default=30.0, gt=0, description="Longest wait before retrying a refused line."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchKeys:
+    """Redis key names of files and batches (see the module docstring)."""
+
+    namespace: str
+
+    @classmethod
+    def of(cls, keys: Keys) -> BatchKeys:
+        """The batch keys under ``keys``' namespace."""
+        return cls(keys.namespace)
+
+    def file(self, tenant: str, file_id: str) -> str:
+        """Hash: one file's object."""
+        return f"{self.namespace}:file:{tenant}:{file_id}"
+
+    def file_data(self, tenant: str, file_id: str) -> str:
+        """String: one file's content."""
+        return f"{self.namespace}:file-data:{tenant}:{file_id}"
+
+    def files(self, tenant: str) -> str:
+        """Sorted set: the tenant's file ids by creation (ms)."""
+        return f"{self.namespace}:files:{tenant}"
+
+    def batch(self, tenant: str, batch_id: str) -> str:
+        """Hash: one batch's state."""
+        return f"{self.namespace}:batch-obj:{tenant}:{batch_id}"
+
+    def batches(self, tenant: str) -> str:
+        """Sorted set: the tenant's batch ids by creation (ms)."""
+        return f"{self.namespace}:batch-list:{tenant}"
+
+    @property
+    def active(self) -> str:
+        """Set of ``tenant/batch_id`` not yet in a final state."""
+        return f"{self.namespace}:batch-active"
+
+    def input(self, tenant: str, batch_id: str) -> str:
+        """String: the batch's private copy of its input file."""
+        return f"{self.namespace}:batch-input:{tenant}:{batch_id}"
+
+    def results(self, tenant: str, batch_id: str) -> str:
+        """Hash: line index -> result (``o``/``e`` + JSON line)."""
+        return f"{self.namespace}:batch-results:{tenant}:{batch_id}"
+
+    def leases(self, tenant: str, batch_id: str) -> str:
+        """Sorted set: line index -> lease expiry (Redis time, ms)."""
+        return f"{self.namespace}:batch-leases:{tenant}:{batch_id}"
+
+    def owners(self, tenant: str, batch_id: str) -> str:
+        """Hash: line index -> id of the job running it."""
+        return f"{self.namespace}:batch-owners:{tenant}:{batch_id}"
+
+    def lock(self, tenant: str, batch_id: str) -> str:
+        """String: the process validating or finalizing the batch."""
+        return f"{self.namespace}:batch-lock:{tenant}:{batch_id}"
+
+
+def new_file_id() -> str:
+    """A fresh file id, OpenAI style."""
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def new_batch_id() -> str:
+    """A fresh batch id, OpenAI style."""
+    return f"batch_{uuid.uuid4().hex[:24]}"
+
+
+def member(tenant: str, batch_id: str) -> str:
+    """A batch's entry in the active set."""
+    return f"{tenant}/{batch_id}"
+
+
+def split_member(value: str) -> tuple[str, str]:
+    """``(tenant, batch_id)`` of an active-set entry."""
+    tenant, _, batch_id = value.partition("/")
+    return tenant, batch_id
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class FileObject:
+    """A stored file's metadata."""
+
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI file object."""
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": None,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+@dataclass(slots=True)
+class BatchState:
+    """A batch as stored: what the API shows and what the runner needs."""
+
+    id: str
+    tenant: str
+    status: str
+    input_file_id: str
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str] | None = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    timestamps: dict[str, int] = field(default_factory=dict)
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def from_hash(cls, tenant: str, raw: Mapping[Any, Any]) -> BatchState:
+        """Decode the stored hash."""
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        static = json.loads(fields["static"])
+        return cls(
+            id=static["id"],
+            tenant=tenant,
+            status=fields.get("status", "validating"),
+            input_file_id=static["input_file_id"],
+            created_at=int(static["created_at"]),
+            expires_at=int(fields.get("expires_at", static["expires_at"])),
+            metadata=static.get("metadata"),
+            total=int(fields.get("total", 0)),
+            completed=int(fields.get("completed", 0)),
+            failed=int(fields.get("failed", 0)),
+            timestamps={k: int(fields[k]) for k in _TIMESTAMPS if fields.get(k)},
+            output_file_id=fields.get("output_file_id") or None,
+            error_file_id=fields.get("error_file_id") or None,
+            errors=json.loads(fields["errors"]) if fields.get("errors") else None,
+        )
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI batch object."""
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": ENDPOINT,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
+            "input_file_id": self.input_file_id,
+            "completion_window": COMPLETION_WINDOW,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": self.created_at,
+            **{k: self.timestamps.get(k) for k in _TIMESTAMPS},
+            "expires_at": self.expires_at,
+            "request_counts": {
+                "total": self.total,
+                "completed": self.completed,
+                "failed": self.failed,
+            },
+            "metadata": self.metadata,
+        }
+
+
+# Record one line's result exactly once, and only while the batch is not final.
+# KEYS: obj, results, leases, owners. ARGV: index, value, counter ('completed', 'failed'
+# or '' for none). Returns 1 (recorded), 0 (already had one), -1 (batch final or gone).
+_RECORD = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if (not st) or st == 'completed' or st == 'failed' or st == 'expired' or st == 'cancelled' then
+  return -1
+end
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[3], 1) end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+return 1
+"""
+
+# Lease up to ARGV[1] lines, keeping at most ARGV[2] leased for the whole batch: first lines
+# whose lease expired (their previous job id is returned so it can be cancelled), then lines
+# never claimed (from the cursor). KEYS: obj, results, leases, owners. ARGV: want, cap,
+# lease_ms, job id prefix. Returns a flat list: index, job id, previous job id ('' if none).
+_CLAIM = (
+    NOW_MS_LUA
+    + """
+if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return {} end
+local until_ms = now + tonumber(ARGV[3])
+local room = math.min(tonumber(ARGV[1]),
+                      tonumber(ARGV[2]) - redis.call('ZCOUNT', KEYS[3], now, '+inf'))
+local out = {}
+if room <= 0 then return out end
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. now, 'LIMIT', 0, room)
+for _, idx in ipairs(stale) do
+  if redis.call('HEXISTS', KEYS[2], idx) == 1 then
+    redis.call('ZREM', KEYS[3], idx)
+    redis.call('HDEL', KEYS[4], idx)
+  else
+    local old = redis.call('HGET', KEYS[4], idx) or ''
+    local job = ARGV[4] .. idx
+    redis.call('ZADD', KEYS[3], until_ms, idx)
+    redis.call('HSET', KEYS[4], idx, job)
+    table.insert(out, idx)
+    table.insert(out, job)
+    table.insert(out, old)
+    room = room - 1
+  end
+end
+local total = tonumber(redis.call('HGET', KEYS[1], 'total') or '0')
+local scanned = 0
+while room > 0 and scanned < 10000 do
+  local idx = redis.call('HINCRBY', KEYS[1], 'cursor', 1) - 1
+  if idx >= total then
+    redis.call('HSET', KEYS[1], 'cursor', total)
+    break
+  end
+  scanned = scanned + 1
+  local key = tostring(idx)
+  if redis.call('HEXISTS', KEYS[2], key) == 0 and not redis.call('ZSCORE', KEYS[3], key) then
+    local job = ARGV[4] .. key
+    redis.call('ZADD', KEYS[3], until_ms, key)
+    redis.call('HSET', KEYS[4], key, job)
+    table.insert(out, key)
+    table.insert(out, job)
+    table.insert(out, '')
+    room = room - 1
+  end
+end
+return out
+"""
+)
+
+# Extend the leases of lines this process still owns. KEYS: owners, leases. ARGV: lease_ms,
+# then index, job id pairs. Returns the indexes no longer owned (taken over elsewhere).
+_RENEW = (
+    NOW_MS_LUA
+    + """
+local until_ms = now + tonumber(ARGV[1])
+local lost = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    redis.call('ZADD', KEYS[2], 'XX', until_ms, ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+)
+
+# Change the job running a line (a retry) or give the line up (new job id ''), only while
+# this process owns it. A line given up keeps a lease that expired long ago, so the next
+# claim takes it at once. KEYS: owners, leases. ARGV: index, current job id, new job id.
+_REOWN = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+if ARGV[3] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+end
+return 1
+"""
+
+# Move a batch from one of the statuses in ARGV[1] (comma-separated) to ARGV[2], stamping
+# ARGV[3] (a timestamp field, or '') with ARGV[4] and setting the field/value pairs after
+# that. Reaching a final status removes the batch from the active set (member ARGV[5]) and
+# deletes its working keys. KEYS: obj, active, input, results, leases, owners.
+# Returns 'ok', or the current status when it is not one of ARGV[1] ('' if no batch).
+_TRANSITION = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return '' end
+local allowed = false
+for s in string.gmatch(ARGV[1], '[^,]+') do
+  if s == st then allowed = true end
+end
+if not allowed then return st end
+redis.call('HSET', KEYS[1], 'status', ARGV[2])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[2] == 'completed' or ARGV[2] == 'failed' or ARGV[2] == 'expired'
+   or ARGV[2] == 'cancelled' then
+  redis.call('SREM', KEYS[2], ARGV[5])
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+end
+return 'ok'
+"""
+
+# Release a lock only if we still hold it.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A line leased to this process: its index, the job id to run it under, and the job
+    a previous owner may still have queued (to cancel)."""
+
+    index: int
+    job_id: str
+    previous_job_id: str
+
+
+class BatchStore:
+    """Every Redis operation on files and batches."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._redis = redis
+        self.keys = BatchKeys.of(keys)
+        self._record = redis.register_script(_RECORD)
+        self._claim = redis.register_script(_CLAIM)
+        self._renew = redis.register_script(_RENEW)
+        self._reown = redis.register_script(_REOWN)
+        self._transition = redis.register_script(_TRANSITION)
+        self._unlock = redis.register_script(_UNLOCK)
+
+    # -- files ----------------------------------------------------------------------
+
+    async def put_file(
+        self,
+        tenant: str,
+        filename: str,
+        purpose: str,
+        data: bytes,
+        file_id: str | None = None,
+    ) -> FileObject:
+        """Store a file (an existing id is overwritten: finalizing is idempotent)."""
+        file = FileObject(file_id or new_file_id(), len(data), int(time.time()), filename, purpose)
+        k = self.keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                k.file(tenant, file.id),
+                mapping={
+                    "bytes": file.bytes,
+                    "created_at": file.created_at,
+                    "filename": filename,
+                    "purpose": purpose,
+                },
+            )
+            pipe.set(k.file_data(tenant, file.id), data)
+            pipe.zadd(k.files(tenant), {file.id: time.time_ns() // 1_000_000})
+            await pipe.execute()
+        return file
+
+    async def file(self, tenant: str, file_id: str) -> FileObject | None:
+        """A file's metadata, or None if the tenant has no such file."""
+        raw = await self._redis.hgetall(self.keys.file(tenant, file_id))
+        if not raw:
+            return None
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        return FileObject(
+            file_id,
+            int(fields["bytes"]),
+            int(fields["created_at"]),
+            fields["filename"],
+            fields["purpose"],
+        )
+
+    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
+        """A file's content, or None."""
+        data = await self._redis.get(self.keys.file_data(tenant, file_id))
+        return _bytes(data) if data is not None else None
+
+    async def files(self, tenant: str) -> list[FileObject]:
+        """The tenant's files, newest first."""
+        ids = [_text(i) for i in await self._redis.zrevrange(self.keys.files(tenant), 0, -1)]
+        found = [await self.file(tenant, i) for i in ids]
+        return [f for f in found if f is not None]
+
+    async def delete_file(self, tenant: str, file_id: str) -> bool:
+        """Delete a file; False if there was none."""
+        k = self.keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(k.file(tenant, file_id), k.file_data(tenant, file_id))
+            pipe.zrem(k.files(tenant), file_id)
+            removed, _ = await pipe.execute()
+        return bool(removed)
+
+    # -- batches --------------------------------------------------------------------
+
+    async def create_batch(
+        self, tenant: str, input_file_id: str, metadata: dict[str, str] | None
+    ) -> BatchState | None:
+        """A new batch in ``validating``, with a private copy of its input file; None if
+        the input file vanished meanwhile."""
+        now = int(time.time())
+        state = BatchState(
+            id=new_batch_id(),
+            tenant=tenant,
+            status="validating",
+            input_file_id=input_file_id,
+            created_at=now,
+            expires_at=now + WINDOW_S,
+            metadata=metadata,
+        )
+        static = {
+            "id": state.id,
+            "input_file_id": input_file_id,
+            "created_at": now,
+            "expires_at": state.expires_at,
+            "metadata": metadata,
+        }
+        k = self.keys
+        copied = await self._redis.copy(
+            k.file_data(tenant, input_file_id), k.input(tenant, state.id), replace=True
+        )
+        if not copied:
+            return None
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                k.batch(tenant, state.id),
+                mapping={
+                    "static": json.dumps(static),
+                    "status": "validating",
+                    "expires_at": state.expires_at,
+                    "total": 0,
+                    "completed": 0,
+                    "failed": 0,
+                    "cursor": 0,
+                },
+            )
+            pipe.zadd(k.batches(tenant), {state.id: time.time_ns() // 1_000_000})
+            pipe.sadd(k.active, member(tenant, state.id))
+            await pipe.execute()
+        return state
+
+    async def batch(self, tenant: str, batch_id: str) -> BatchState | None:
+        """A batch, or None if the tenant has none by that id."""
+        raw = await self._redis.hgetall(self.keys.batch(tenant, batch_id))
+        return BatchState.from_hash(tenant, raw) if raw else None
+
+    async def batch_ids(self, tenant: str, after: str | None, limit: int) -> tuple[list[str], bool]:
+        """Up to ``limit`` batch ids, newest first, after the id ``after``; and whether
+        more follow."""
+        key = self.keys.batches(tenant)
+        start = 0
+        if after:
+            rank = await self._redis.zrevrank(key, after)
+            if rank is None:
+                return [], False
+            start = int(rank) + 1  # type: ignore[arg-type]
+        ids = [_text(i) for i in await self._redis.zrevrange(key, start, start + limit)]
+        return ids[:limit], len(ids) > limit
+
+    async def active(self) -> list[tuple[str, str]]:
+        """``(tenant, batch_id)`` of every batch not yet final."""
+        return [split_member(_text(m)) for m in await self._redis.smembers(self.keys.active)]
+
+    async def input(self, tenant: str, batch_id: str) -> bytes | None:
+        """The batch's copy of its input file."""
+        data = await self._redis.get(self.keys.input(tenant, batch_id))
+        return _bytes(data) if data is not None else None
+
+    async def transition(
+        self,
+        tenant: str,
+        batch_id: str,
+        allowed: tuple[str, ...],
+        to: str,
+        stamp: str = "",
+        **fields: str | int,
+    ) -> str:
+        """Move the batch to ``to`` if its status is one of ``allowed``; 'ok', or the
+        status it has instead ('' if there is no such batch)."""
+        k = self.keys
+        args: list[str | int] = [",".join(allowed), to, stamp, int(time.time())]
+        args.append(member(tenant, batch_id))
+        for name, value in fields.items():
+            args += [name, value]
+        outcome = await self._transition(
+            keys=[
+                k.batch(tenant, batch_id),
+                k.active,
+                k.input(tenant, batch_id),
+                k.results(tenant, batch_id),
+                k.leases(tenant, batch_id),
+                k.owners(tenant, batch_id),
+            ],
+            args=args,
+        )
+        return _text(outcome)
+
+    async def set_total(self, tenant: str, batch_id: str, total: int) -> None:
+        """Record how many request lines the batch has (known once it is parsed)."""
+        await self._redis.hset(self.keys.batch(tenant, batch_id), "total", total)
+
+    # -- lines ----------------------------------------------------------------------
+
+    async def record(
+        self, tenant: str, batch_id: str, index: int, value: bytes, counter: str
+    ) -> int:
+        """Record a line's result once: 1 recorded, 0 it had one, -1 the batch is final."""
+        k = self.keys
+        done = await self._record(
+            keys=[
+                k.batch(tenant, batch_id),
+                k.results(tenant, batch_id),
+                k.leases(tenant, batch_id),
+                k.owners(tenant, batch_id),
+            ],
+            args=[index, value, counter],
+        )
+        return int(done)
+
+    async def claim(
+        self, tenant: str, batch_id: str, want: int, cap: int, lease_ms: int
+    ) -> list[Claim]:
+        """Lease up to ``want`` lines (the batch keeps at most ``cap`` leased)."""
+        if want <= 0:
+            return []
+        k = self.keys
+        prefix = f"batch_req_{secrets.token_hex(6)}_"
+        flat = await self._claim(
+            keys=[
+                k.batch(tenant, batch_id),
+                k.results(tenant, batch_id),
+                k.leases(tenant, batch_id),
+                k.owners(tenant, batch_id),
+            ],
+            args=[want, cap, lease_ms, prefix],
+        )
+        items = [_text(x) for x in flat]
+        return [Claim(int(items[i]), items[i + 1], items[i + 2]) for i in range(0, len(items), 3)]
+
+    async def renew(
+        self, tenant: str, batch_id: str, owned: dict[int, str], lease_ms: int
+    ) -> list[int]:
+        """Extend the leases of ``owned`` (index -> job id); the indexes lost meanwhile."""
+        if not owned:
+            return []
+        k = self.keys
+        args: list[str | int] = [lease_ms]
+        for index, job_id in owned.items():
+            args += [index, job_id]
+        lost = await self._renew(
+            keys=[k.owners(tenant, batch_id), k.leases(tenant, batch_id)], args=args
+        )
+        return [int(_text(x)) for x in lost]
+
+    async def reown(self, tenant: str, batch_id: str, index: int, job_id: str, new: str) -> bool:
+        """Run the line under job ``new`` (or give it up when ``new`` is ''), if this
+        process still owns it under ``job_id``."""
+        k = self.keys
+        done = await self._reown(
+            keys=[k.owners(tenant, batch_id), k.leases(tenant, batch_id)],
+            args=[index, job_id, new],
+        )
+        return bool(done)
+
+    async def live_leases(self, tenant: str, batch_id: str) -> int:
+        """Lines leased and not yet expired."""
+        # Lease scores are Redis time: compare with Redis's clock, not this process's.
+        seconds, micros = await self._redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        return int(await self._redis.zcount(self.keys.leases(tenant, batch_id), now_ms, "+inf"))
+
+    async def result_count(self, tenant: str, batch_id: str) -> int:
+        """Lines with a result."""
+        return int(await self._redis.hlen(self.keys.results(tenant, batch_id)))
+
+    async def missing(self, tenant: str, batch_id: str, total: int) -> list[int]:
+        """Indexes of lines without a result."""
+        have = {int(_text(i)) for i in await self._redis.hkeys(self.keys.results(tenant, batch_id))}
+        return [i for i in range(total) if i not in have]
+
+    async def results(self, tenant: str, batch_id: str) -> dict[int, bytes]:
+        """Every recorded result (index -> ``o``/``e`` + JSON line)."""
+        out: dict[int, bytes] = {}
+        async for index, value in self._redis.hscan_iter(
+            self.keys.results(tenant, batch_id), count=1000
+        ):
+            out[int(_text(index))] = _bytes(value)
+        return out
+
+    async def lock(self, tenant: str, batch_id: str, ttl_ms: int) -> str | None:
+        """Take the batch's validate/finalize lock; its token, or None if held."""
+        token = secrets.token_hex(8)
+        ok = await self._redis.set(self.keys.lock(tenant, batch_id), token, nx=True, px=ttl_ms)
+        return token if ok else None
+
+    async def unlock(self, tenant: str, batch_id: str, token: str) -> None:
+        """Release the lock if still ours."""
+        await self._unlock(keys=[self.keys.lock(tenant, batch_id)], args=[token])

@@ -1,0 +1,163 @@
+"""Admission: a request's class and latency budget become its deadline, and a request
+whose budget cannot be met is refused at once instead of left to rot in the queue.
+
+``X-Priority: interactive|standard|batch`` picks a class (default interactive) and
+``X-Latency-Budget-Ms`` overrides the class's TTFT budget. Deadline = arrival + budget; the
+queue runs earliest deadline first and a worker drops a job whose deadline has passed.
+
+The decision is a few named checks (queue bound, workers present, budget), each of which
+may refuse with an enumerated reason that the client sees in ``X-Charserve-Drop-Reason``.
+Batch work is never refused for budget: it yields to everything else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from cluster.runtime.prometheus import GatewayMetrics
+from cluster.runtime.settings import Settings
+from cluster.wire.protocol import Job
+from cluster.wire.queue import JobQueue
+from gateway.chat.capacity import Capacity, CapacityView
+from gateway.http.errors import APIError, BadRequest, ServiceUnavailable, TooManyRequests
+
+CLASSES = ("interactive", "standard", "batch")
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The admitted class and deadline of one request."""
+
+    priority_class: str
+    arrival_ms: int
+    deadline_ms: int
+
+
+MAX_BUDGET_MS = 365 * 86_400_000
+
+
+def admit(
+    settings: Settings, arrival_ms: int, priority: str | None, budget: str | None
+) -> Admission:
+    """Decide class and deadline from the request headers; 400 on a bad header."""
+    cls = (priority or "interactive").strip().lower()
+    if cls not in CLASSES:
+        raise BadRequest(
+            f"X-Priority must be one of {', '.join(CLASSES)}, not {priority!r}",
+            param="X-Priority",
+        )
+    budget_ms = {
+        "interactive": settings.budget_interactive_ms,
+        "standard": settings.budget_standard_ms,
+        "batch": settings.budget_batch_ms,
+    }[cls]
+    if budget is not None:
+        try:
+            budget_ms = int(budget)
+        except ValueError:
+            budget_ms = -1
+        if not 0 < budget_ms <= MAX_BUDGET_MS:
+            raise BadRequest(
+                f"X-Latency-Budget-Ms must be a positive integer of at most {MAX_BUDGET_MS} "
+                f"(a year), not {budget[:40]!r}",
+                param="X-Latency-Budget-Ms",
+            )
+    return Admission(cls, arrival_ms, arrival_ms + budget_ms)
+
+
+DropReason = Literal["budget", "queue_full", "no_workers", "expired", "rate_limited"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a request is refused at the door, and when to come back."""
+
+    reason: DropReason
+    message: str
+    retry_after_s: int
+    status: int = 429
+
+    def error(self) -> APIError:
+        """The client-facing error, with ``Retry-After`` and the drop reason."""
+        headers = {"Retry-After": str(self.retry_after_s), "X-Charserve-Drop-Reason": self.reason}
+        if self.status == 503:
+            return ServiceUnavailable(self.message, code=self.reason, headers=headers)
+        return TooManyRequests(self.message, code=self.reason, headers=headers)
+
+
+def estimate_ttft_ms(capacity: Capacity, ahead: int) -> float | None:
+    """Estimated time to first token for a request with ``ahead`` jobs before it.
+
+    With a free slot it is the recent prefill time; otherwise it must wait for
+    ``ahead - free + 1`` jobs to finish at the measured drain rate. None when there is no
+    measured drain rate yet (no evidence, so no refusal).
+    """
+    if ahead < capacity.free_slots:
+        return capacity.prefill_ms
+    if capacity.completed_per_s <= 0.0:
+        return None
+    to_finish = ahead - capacity.free_slots + 1
+    return to_finish / capacity.completed_per_s * 1000.0 + capacity.prefill_ms
+
+
+class Admitter:
+    """The admission decision: a few named checks, each of which may refuse."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        queue: JobQueue,
+        view: CapacityView,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self._settings = settings
+        self._queue = queue
+        self._view = view
+        self._metrics = metrics or GatewayMetrics()
+
+    def free_by_worker(self) -> dict[str, int]:
+        """Free slots of each live worker, from the latest snapshot."""
+        return self._view.current.free_by_worker
+
+    async def check(self, job: Job) -> None:
+        """Raise the client-facing error when ``job`` should not be queued."""
+        capacity = self._view.current
+        for step in (self._queue_bound, self._workers_present):
+            rejection = step(job, capacity)
+            if rejection is not None:
+                self._metrics.rejected(job.priority_class, rejection.reason)
+                raise rejection.error()
+        rejection = await self._budget(job, capacity)
+        if rejection is not None:
+            self._metrics.rejected(job.priority_class, rejection.reason)
+            raise rejection.error()
+        self._metrics.admitted(job.priority_class)
+
+    def _queue_bound(self, job: Job, capacity: Capacity) -> Rejection | None:
+        if capacity.waiting < self._settings.max_queued:
+            return None
+        return Rejection("queue_full", "the queue is full; try again shortly", 1)
+
+    def _workers_present(self, job: Job, capacity: Capacity) -> Rejection | None:
+        if capacity.workers > 0 or job.priority_class == "batch":
+            return None  # batch work may wait for workers to come back
+        return Rejection("no_workers", "no worker is serving right now", 5, status=503)
+
+    async def _budget(self, job: Job, capacity: Capacity) -> Rejection | None:
+        if job.priority_class == "batch":
+            return None  # batch is never refused for budget; it yields
+        budget_ms = job.deadline_ms - job.arrival_ms
+        ahead = 0
+        if capacity.waiting > 0 or capacity.free_slots == 0:
+            ahead = await self._queue.ahead_of(self._queue.score(job))
+        estimate = estimate_ttft_ms(capacity, ahead)
+        if estimate is None or estimate <= budget_ms:
+            return None
+        return Rejection(
+            "budget",
+            f"the estimated time to first token ({estimate:.0f} ms, {ahead} requests ahead) "
+            f"exceeds the latency budget ({budget_ms} ms)",
+            max(1, math.ceil((estimate - budget_ms) / 1000.0)),
+        )

@@ -1,0 +1,106 @@
+"""What the gateway knows of the workers' capacity: a snapshot refreshed in the background.
+
+Admission must not add Redis round trips to every request's time to first token, so a
+task reads the workers' heartbeats and the queue depth every ``refresh_ms`` and keeps the
+result; a request only asks Redis how much work is ahead of it when the snapshot says it
+may have to wait at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import WorkerStats
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """One snapshot of the cluster's serving capacity."""
+
+    workers: int = 0
+    free_slots: int = 0
+    completed_per_s: float = 0.0
+    prefill_ms: float = 0.0
+    waiting: int = 0
+    taken_at_s: float = 0.0
+    # Free slots of each live (not draining) worker, for session affinity.
+    free_by_worker: dict[str, int] = field(default_factory=dict)
+
+
+def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
+    """Fold live workers' heartbeats into one snapshot (draining workers take no work)."""
+    live = [s for s in stats if not s.draining]
+    prefill = [s.prefill_ms for s in live if s.prefill_ms > 0]
+    return Capacity(
+        workers=len(live),
+        free_slots=sum(s.free_slots for s in live),
+        completed_per_s=sum(s.completed_per_s for s in live),
+        prefill_ms=max(prefill) if prefill else 0.0,
+        waiting=waiting,
+        taken_at_s=now_s,
+        free_by_worker={s.worker_id: s.free_slots for s in live},
+    )
+
+
+class CapacityView:
+    """Owns the refresh task; :attr:`current` is the latest snapshot."""
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, heartbeat_ms: int, refresh_ms: int = 100
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._fresh_ms = 3 * heartbeat_ms
+        self._refresh_s = refresh_ms / 1000.0
+        self.current = Capacity()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Take a first snapshot, then keep refreshing."""
+        await self._refresh_safely()
+        self._task = asyncio.create_task(self._run(), name="capacity")
+
+    async def close(self) -> None:
+        """Stop refreshing (between two refreshes: cancelling a Redis command midway can
+        leave its connection unusable for the client's own close)."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), self._refresh_s)
+            except TimeoutError:
+                await self._refresh_safely()
+
+    async def _refresh_safely(self) -> None:
+        try:
+            self.current = await self.refresh()
+        except (RedisError, protocol.ProtocolError) as exc:
+            log.warning("capacity refresh failed", error=str(exc))
+
+    async def refresh(self) -> Capacity:
+        """Read heartbeats and queue depth now."""
+        now_ms = time.time_ns() // 1_000_000
+        ids = await self._redis.zrangebyscore(self._keys.workers, now_ms - self._fresh_ms, "+inf")
+        stats: list[WorkerStats] = []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                name = worker_id.decode() if isinstance(worker_id, bytes) else str(worker_id)
+                pipe.get(self._keys.worker_stats(name))
+            pipe.zcard(self._keys.queue)
+            *raw, waiting = await pipe.execute()
+        stats = [protocol.decode_as(r, WorkerStats) for r in raw if r]
+        return summarize(stats, int(waiting), time.monotonic())

@@ -1,0 +1,1 @@
+"""Engines a worker drives: the protocol, vLLM and its scheduler, the simulator."""

@@ -1,0 +1,1 @@
+"""The replica's loop: claim, run, publish, recover, reserve and pace."""

@@ -1,0 +1,458 @@
+"""The consumer loop: claim jobs from Redis only while the engine has free batch slots,
+run them, stream their chunks back, and keep their leases alive.
+
+Why claim only with free slots: the order of work is decided in Redis, where the
+deadlines are. If a replica pulled more than it can batch, vLLM's own waiting queue
+would hold work that another, idle replica could have started. The loop wakes within a
+round trip of an enqueue (``BLPOP`` on the wake list), and the moment a slot frees it
+claims again, so continuous batching stays full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from cluster.runtime.prometheus import WorkerMetrics, render_worker_metrics, run_worker_exporter
+from cluster.runtime.redis_server import connect
+from cluster.wire import protocol
+from cluster.wire.keys import Keys
+from cluster.wire.protocol import Cancel, Job, WorkerStats
+from cluster.wire.queue import JobQueue, Poison, QueuePolicy
+from workers.engines.vllm_engine import Engine, EngineOutput, engine_priority, run_generation
+from workers.errors import ExpiredJobError, JobError
+from workers.loop.pacing import StartPacer
+from workers.loop.publisher import Publisher, RequestStream
+from workers.loop.recovery import Recovery
+from workers.loop.reserve import BatchReserve
+
+log = structlog.get_logger(__name__)
+
+
+def new_worker_id() -> str:
+    """A worker id that is unique across hosts and restarts."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds (deadlines are wall-clock, shared across machines)."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """Knobs of a consumer."""
+
+    lease_ms: int = 5_000
+    heartbeat_ms: int = 1_000
+    publish_interval_ms: float = 0.0
+    queue_policy: QueuePolicy = "edf"
+    drain_timeout_s: float = 30.0
+    # Slots batch work may never take, so interactive work always finds one free.
+    batch_reserve_slots: int = 4
+    # Adaptive reserve (workers.loop.reserve): when below batch_reserve_slots, the reserve
+    # follows the latency-bound jobs in flight, between this and batch_reserve_slots.
+    batch_reserve_min: int | None = None
+    batch_reserve_window_s: float = 30.0
+    # A job is dead-lettered when this many workers in a row failed to finish it.
+    max_attempts: int = 3
+    # Batch jobs start at most this often (0: unpaced), so their prefills do not arrive
+    # in waves that stall interactive work (see workers.loop.pacing).
+    batch_starts_per_s: float = 8.0
+    batch_start_burst: int = 2
+
+
+class Consumer:
+    """Claims and runs jobs for one engine. ``start()`` / ``close()`` own its tasks."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        keys: Keys,
+        engine: Engine,
+        config: ConsumerConfig,
+        worker_id: str | None = None,
+    ) -> None:
+        self.worker_id = worker_id or new_worker_id()
+        self._url = redis_url
+        self._keys = keys
+        self._engine = engine
+        self._config = config
+        self._redis: aioredis.Redis | None = None
+        self._blocking: aioredis.Redis | None = None
+        self._queue: JobQueue | None = None
+        self._publisher: Publisher | None = None
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._batch_running: set[str] = set()
+        self._pacer = StartPacer(config.batch_starts_per_s, config.batch_start_burst)
+        self._reserve = BatchReserve(
+            config.batch_reserve_slots, config.batch_reserve_min, config.batch_reserve_window_s
+        )
+        self._handing_back = False
+        self._lease_lost: set[str] = set()
+        # Set by close(): the background loops finish their current Redis command and
+        # stop, rather than being cancelled in the middle of one (a command cancelled
+        # midway can leave its connection unusable, and the client's close then hangs).
+        self._closing = asyncio.Event()
+        self._recovery: Recovery | None = None
+        self._slot_freed = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._claimed_total = 0
+        self._tokens_since_beat = 0
+        self._completed_since_beat = 0
+        self._prefill_ms_avg = 0.0
+        self._prefill_at_s = 0.0
+        self._last_beat_s = time.monotonic()
+        self.metrics = WorkerMetrics()
+        self.metrics.bind(inflight=lambda: len(self._running), slots=lambda: engine.max_slots)
+
+    @property
+    def running(self) -> int:
+        """Jobs running now."""
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        """True while every background task is still running."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
+
+    async def start(self) -> None:
+        """Connect, announce this worker, and start claiming."""
+        self._redis = connect(self._url)
+        self._blocking = connect(self._url, blocking=True)
+        self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
+        self._publisher = Publisher(
+            self._redis, self._keys, interval_ms=self._config.publish_interval_ms
+        )
+        self._recovery = Recovery(
+            self._redis,
+            self._keys,
+            self._queue,
+            self._publisher,
+            self.worker_id,
+            self._config.max_attempts,
+        )
+        await self._publisher.start()
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self._keys.control(self.worker_id))
+        await self._beat()
+        self._tasks = [
+            asyncio.create_task(self._claim_loop(), name="claim"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._control_loop(pubsub), name="control"),
+            asyncio.create_task(
+                run_worker_exporter(
+                    self._redis,
+                    self._keys.worker_metrics(self.worker_id),
+                    lambda: render_worker_metrics(self.metrics),
+                    stop=self._closing,
+                ),
+                name="metrics",
+            ),
+        ]
+        log.info("consumer started", worker_id=self.worker_id, slots=self._engine.max_slots)
+
+    async def close(self) -> None:
+        """Stop claiming, let running jobs finish (up to the drain timeout), hand the rest
+        back to the queue, then stop."""
+        self._stopping = True
+        claim = self._tasks[0] if self._tasks else None
+        if claim is not None:
+            claim.cancel()
+            await asyncio.gather(claim, return_exceptions=True)
+        if self._running:
+            log.info("draining", running=len(self._running))
+            await asyncio.wait(list(self._running.values()), timeout=self._config.drain_timeout_s)
+        if self._running:
+            # Out of time: hand what still runs back to the queue; another worker
+            # continues each reply where it stopped.
+            log.warning("handing back unfinished jobs", running=len(self._running))
+            self._handing_back = True
+            for task in list(self._running.values()):
+                task.cancel()
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
+        self._closing.set()
+        if self._tasks[1:]:
+            await asyncio.wait(self._tasks[1:], timeout=10)
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._publisher is not None:
+            await self._publisher.close()
+        if self._redis is not None:
+            try:
+                await asyncio.wait_for(self._redis.zrem(self._keys.workers, self.worker_id), 5)
+            except (RedisError, TimeoutError):
+                pass
+        for client in (self._redis, self._blocking):
+            if client is not None:
+                try:
+                    await asyncio.wait_for(client.aclose(), 5)
+                except TimeoutError:
+                    log.warning("a Redis client did not close in time")
+        log.info("consumer stopped", worker_id=self.worker_id)
+
+    # -- claiming -------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        assert self._queue is not None and self._blocking is not None
+        while not self._stopping:
+            self._slot_freed.clear()
+            free = self._engine.max_slots - len(self._running)
+            if free <= 0:
+                await self._slot_freed.wait()
+                continue
+            batch_room = min(
+                self._engine.max_slots - self._reserve.slots() - len(self._batch_running),
+                self._pacer.available(),
+            )
+            try:
+                jobs = await self._queue.claim(
+                    self.worker_id, free, self._config.lease_ms, batch_room
+                )
+                if not jobs:
+                    # Wake on an enqueue, or when paced batch work may start again.
+                    wait_s = self._pacer.wait_s() or 1.0
+                    await self._queue.wait_for_work(
+                        self._blocking, timeout_s=min(1.0, wait_s), worker_id=self.worker_id
+                    )
+                    continue
+            except RedisError as exc:
+                log.warning("claim failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            claimed_ms = now_ms()
+            for job in jobs:
+                if isinstance(job, Poison):
+                    await self._recover_safely(job)
+                    continue
+                self._claimed_total += 1
+                self.metrics.claimed(job.priority_class)
+                if job.priority_class == "batch":
+                    self._batch_running.add(job.id)
+                    self._pacer.take(1)
+                task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
+                self._running[job.id] = task
+            self._note_demand()
+
+    def _note_demand(self) -> None:
+        """Tell the reserve how many latency-bound jobs run now."""
+        self._reserve.note(len(self._running) - len(self._batch_running))
+
+    async def _run(self, job: Job, claimed_ms: int) -> None:
+        assert self._publisher is not None and self._queue is not None
+        structlog.contextvars.bind_contextvars(request_id=job.id, tenant=job.tenant)
+        stream = RequestStream(
+            job=job,
+            worker_id=self.worker_id,
+            queue_ms=float(claimed_ms - job.arrival_ms),
+            completion_tokens=len(job.resume_token_ids),
+        )
+        started_s = time.perf_counter()
+        handed_back = False
+        outcome = "completed"
+        try:
+            # A retry, or a reply a stopping replica handed back mid-stream, already met (or
+            # missed) its budget on its first worker: finish it.
+            if job.attempt == 0 and job.resume_seq == 0 and claimed_ms > job.deadline_ms:
+                raise ExpiredJobError(
+                    f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
+                    "past its latency budget"
+                )
+            await run_generation(
+                self._engine,
+                job,
+                engine_priority(job),
+                functools.partial(self._on_output, stream, started_s),
+            )
+            if not stream.finished:
+                stream.finish_reason = "stop"
+                self._publisher.mark(stream)
+        except asyncio.CancelledError:
+            await self._engine.abort(job.id)
+            if job.id in self._lease_lost:
+                outcome = "lease_lost"
+            elif self._handing_back:
+                handed_back, outcome = True, "handed_back"
+            else:
+                outcome = "cancelled"
+                self._fail(stream, "cancelled", "the request was cancelled")
+        except JobError as exc:
+            outcome = exc.code
+            self._fail(stream, exc.code, str(exc))
+        except Exception as exc:  # an engine failure ends this job, not the worker
+            log.exception("job failed")
+            outcome = "error"
+            self._fail(stream, "internal_error", f"generation failed: {exc}")
+        finally:
+            self._completed_since_beat += 1
+            self._running.pop(job.id, None)
+            self._batch_running.discard(job.id)
+            self._note_demand()
+            self._slot_freed.set()
+        try:
+            if outcome == "lease_lost":
+                self._lease_lost.discard(job.id)
+                self._publisher.discard(job.id)
+            elif handed_back:
+                await self._hand_back(stream)
+            else:
+                await asyncio.wait_for(stream.done.wait(), timeout=30.0)
+                await self._queue.ack(job.id, self.worker_id)
+        except (TimeoutError, RedisError) as exc:
+            # The lease will expire and the job is requeued: never silently lost.
+            log.warning("could not finish job", error=str(exc))
+        log.info(
+            "job finished",
+            outcome=outcome,
+            priority=job.priority_class,
+            attempt=job.attempt,
+            queue_ms=round(stream.queue_ms, 1),
+            prefill_ms=round(stream.prefill_ms, 1),
+            run_ms=round((time.perf_counter() - started_s) * 1000.0, 1),
+            prompt_tokens=len(job.prompt_token_ids),
+            completion_tokens=stream.completion_tokens,
+        )
+        structlog.contextvars.unbind_contextvars("request_id", "tenant")
+
+    def _on_output(self, stream: RequestStream, started_s: float, out: EngineOutput) -> None:
+        """Take one engine output of ``stream``'s job: called once per step and request,
+        so it does only what each token needs."""
+        assert self._publisher is not None
+        if stream.seq == 0 and not stream.pending_ids:
+            stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
+            if stream.job.priority_class != "batch":
+                # Admission estimates latency-bound work: long batch prefills
+                # (multi-turn backfills) must not make it look infeasible.
+                self._note_prefill(stream.prefill_ms)
+        stream.add(out)
+        self._tokens_since_beat += len(out.token_ids)
+        self._publisher.mark(stream)
+
+    async def _hand_back(self, stream: RequestStream) -> None:
+        """Requeue a job this worker is giving up on (shutdown), after its pending text
+        is in the log, so the next worker continues exactly where it stopped."""
+        assert self._publisher is not None and self._recovery is not None
+        await self._publisher.flush()  # every output was marked as it arrived
+        outcome = await self._recovery.recover(stream.job, count_attempt=False)
+        self.metrics.recovered(outcome, handback=True)
+        log.info("job handed back", request_id=stream.job.id, outcome=outcome)
+
+    async def _recover_safely(self, job: Job | Poison) -> None:
+        assert self._recovery is not None
+        try:
+            if isinstance(job, Poison):
+                await self._recovery.poison(job)
+                self.metrics.poisoned()
+            else:
+                self.metrics.recovered(await self._recovery.recover(job))
+        except (TimeoutError, RedisError, protocol.ProtocolError) as exc:
+            # Our lease on it expires in turn and another worker tries again.
+            log.warning("recovery failed", request_id=job.id, error=str(exc))
+
+    def _note_prefill(self, prefill_ms: float) -> None:
+        # Exponential moving average: recent conditions matter most for admission.
+        self._prefill_at_s = time.monotonic()
+        if self._prefill_ms_avg == 0.0:
+            self._prefill_ms_avg = prefill_ms
+        else:
+            self._prefill_ms_avg += 0.2 * (prefill_ms - self._prefill_ms_avg)
+
+    def _fail(self, stream: RequestStream, code: str, message: str) -> None:
+        assert self._publisher is not None
+        stream.fail(code, message)
+        self._publisher.mark(stream)
+
+    # -- control and heartbeat ------------------------------------------------------
+
+    async def _control_loop(self, pubsub: aioredis.client.PubSub) -> None:
+        while not self._closing.is_set():
+            try:
+                message = await pubsub.get_message(timeout=1.0)
+            except RedisError as exc:
+                log.warning("control channel failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            if message is None:
+                continue
+            try:
+                cancel = protocol.decode_as(message["data"], Cancel)
+            except protocol.ProtocolError as exc:
+                log.warning("bad control message", error=str(exc))
+                continue
+            task = self._running.get(cancel.request_id)
+            if task is not None:
+                log.info("cancelling", request_id=cancel.request_id, reason=cancel.reason)
+                task.cancel()
+        try:
+            await asyncio.wait_for(pubsub.aclose(), 5)
+        except (RedisError, TimeoutError):
+            pass
+
+    async def _heartbeat_loop(self) -> None:
+        period_s = min(self._config.heartbeat_ms, self._config.lease_ms // 3) / 1000.0
+        while True:
+            try:
+                await asyncio.wait_for(self._closing.wait(), period_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self._beat()
+            except RedisError as exc:
+                log.warning("heartbeat failed", error=str(exc))
+
+    async def _beat(self) -> None:
+        assert self._redis is not None and self._queue is not None
+        now_s = time.monotonic()
+        elapsed = max(1e-3, now_s - self._last_beat_s)
+        stats = WorkerStats(
+            worker_id=self.worker_id,
+            max_slots=self._engine.max_slots,
+            running=len(self._running),
+            ts_ms=now_ms(),
+            decode_tokens_per_s=self._tokens_since_beat / elapsed,
+            claimed_total=self._claimed_total,
+            draining=self._stopping,
+            completed_per_s=self._completed_since_beat / elapsed,
+            # A stale figure would keep refusing work after a burst (and refused work
+            # brings no new samples): report none once the last sample is old.
+            prefill_ms=self._prefill_ms_avg if now_s - self._prefill_at_s < 5.0 else 0.0,
+        )
+        self._tokens_since_beat, self._completed_since_beat = 0, 0
+        self._last_beat_s = now_s
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._keys.workers, {self.worker_id: stats.ts_ms})
+            pipe.set(
+                self._keys.worker_stats(self.worker_id),
+                protocol.encode(stats),
+                # Gateways judge freshness by the heartbeat score; the stats only need to
+                # outlive a late beat (a loaded machine delays short periods the most).
+                px=max(self._config.heartbeat_ms * 3, 3000),
+            )
+            await pipe.execute()
+        lost = await self._queue.renew(self.worker_id, list(self._running), self._config.lease_ms)
+        self.metrics.lease_lost(len(lost))
+        for job_id in lost:
+            log.warning("lease lost, abandoning job", request_id=job_id)
+            task = self._running.get(job_id)
+            if task is not None:
+                # Silently: the job's new owner continues the reply from the log.
+                self._lease_lost.add(job_id)
+                assert self._publisher is not None
+                self._publisher.discard(job_id)
+                task.cancel()
+        if not self._stopping:
+            for orphan in await self._queue.reclaim_expired(self.worker_id, self._config.lease_ms):
+                self.metrics.lease_expired()
+                await self._recover_safely(orphan)

@@ -1,0 +1,1 @@
+"""Autoscaling replicas on the Redis queue's backlog and deadlines."""
