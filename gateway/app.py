@@ -23,10 +23,11 @@ from starlette.types import Receive, Scope, Send
 
 from cluster.runtime import gc_policy as heap
 from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.clock import now_ms
 from cluster.runtime.logs import configure_logging
 from cluster.runtime.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from cluster.runtime.prometheus import GatewayMetrics, read_worker_metrics, render_all
-from cluster.runtime.redis_server import connect
+from cluster.runtime.prometheus import read_worker_metrics, render_all
+from cluster.runtime.redis_client import connect
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.queue import JobQueue
@@ -47,9 +48,11 @@ from gateway.chat.schemas import (
     READY_RESPONSES,
     ChatCompletionRequest,
 )
-from gateway.chat.service import ChatService, now_ms
-from gateway.http.errors import APIError, BadRequest, document_errors, error_response
+from gateway.chat.service import ChatService
+from gateway.http.errors import APIError, BadRequest, error_response
 from gateway.http.middleware import Authenticator, EdgeMiddleware, new_request_id
+from gateway.http.openapi import document_errors
+from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
 from gateway.streaming.resume import load_meta, parse_last_event_id, replay
 from gateway.streaming.socket_writer import RAW_SEND

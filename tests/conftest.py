@@ -10,7 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from cluster.runtime.bundled_model import resolve_model
-from cluster.runtime.redis_server import RedisServer, connect
+from cluster.runtime.redis_client import connect
+from cluster.runtime.redis_server import RedisServer
 from cluster.wire.keys import Keys
 
 

@@ -1,17 +1,21 @@
-"""Errors a worker can hit while running a job, and the wire codes they map to.
+"""Errors a worker can hit while running a job, each carrying the wire code the client
+sees (see the tree in :mod:`cluster.errors`).
 
-Recoverable errors end one job with an error chunk; the worker goes on. Fatal errors
-(the engine died) stop the replica so Ray Serve replaces it, and its leased jobs are
-requeued when their leases expire.
+A :class:`JobError` is recoverable: it ends one job with an error chunk and the worker
+goes on. A dead engine is not an exception here: it fails the replica's health check, Ray
+Serve replaces the replica, and its leased jobs are requeued when their leases expire.
 """
 
 from __future__ import annotations
 
+from cluster.errors import CharserveError
+from cluster.wire.vocabulary import ErrorCode
 
-class WorkerError(Exception):
+
+class WorkerError(CharserveError):
     """Base of worker errors. ``code`` is what the client sees in the error body."""
 
-    code = "internal_error"
+    code: ErrorCode = ErrorCode.INTERNAL
 
 
 class JobError(WorkerError):
@@ -21,16 +25,10 @@ class JobError(WorkerError):
 class InvalidJobError(JobError):
     """The job's parameters were rejected by the engine."""
 
-    code = "invalid_request_error"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class ExpiredJobError(JobError):
     """The job's deadline passed before a worker could start it."""
 
-    code = "expired"
-
-
-class EngineDeadError(WorkerError):
-    """The engine is gone: the replica must be replaced."""
-
-    code = "engine_dead"
+    code = ErrorCode.EXPIRED

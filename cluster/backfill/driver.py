@@ -66,6 +66,8 @@ from typing import Any, Literal, TextIO
 
 import httpx
 
+from cluster.errors import InvalidInput
+
 Message = dict[str, str]
 Format = Literal["openai", "sharegpt"]
 
@@ -82,7 +84,7 @@ KICKOFF = "[Start the conversation with {char}.]"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 
 
-class LineError(Exception):
+class LineError(InvalidInput):
     """A dialogue that cannot be generated: ``code`` and a readable reason."""
 
     def __init__(self, code: str, message: str) -> None:

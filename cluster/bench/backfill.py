@@ -41,7 +41,7 @@ import httpx
 from cluster.backfill.driver import Options, backfill, parse_spec, plan_dialogue
 from cluster.bench.load import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
 from cluster.ops.stack import wait_ready
-from cluster.runtime.redis_server import free_port
+from cluster.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _CHARACTERS = [

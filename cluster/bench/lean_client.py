@@ -22,9 +22,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cluster.bench.load import Sample, StreamTimer
+from cluster.errors import CharserveError
 
 
-class ProtocolViolation(Exception):
+class ProtocolViolation(CharserveError):
     """The server's response could not be parsed."""
 
 

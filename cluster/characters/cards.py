@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from cluster.errors import InvalidInput
+
 MAX_CARD_BYTES = 2 * 1024 * 1024
 """Largest card JSON accepted (bytes, also for the JSON decoded from a PNG chunk)."""
 MAX_PNG_BYTES = 8 * 1024 * 1024
@@ -45,7 +47,7 @@ _PROMPT_FIELDS = (
 )  # fmt: skip
 
 
-class CardError(ValueError):
+class CardError(InvalidInput):
     """A card that cannot be imported; ``code`` and ``param`` feed the OpenAI error body."""
 
     def __init__(self, message: str, *, code: str = "invalid_card", param: str | None = None):

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cluster.characters.cards import Card, Lorebook, LoreEntry
+from cluster.errors import InvalidInput
 
 DEFAULT_SCAN_DEPTH = 4
 """History messages scanned for lorebook keys when the book sets no ``scan_depth``."""
@@ -53,7 +54,7 @@ _MACRO = re.compile(r"\{\{(char|user)\}\}|<(bot|char|user)>", re.IGNORECASE)
 _START = re.compile(r"<start>", re.IGNORECASE)
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(InvalidInput):
     """Even with all droppable history gone the prompt exceeds ``max_prompt_tokens``."""
 
     def __init__(self, prompt_tokens: int, max_prompt_tokens: int) -> None:

@@ -35,7 +35,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def cmd_up(settings: Settings) -> int:
     """Run the embedded stack until Ctrl-C or SIGTERM."""
     from cluster.ops.stack import LocalStack
-    from cluster.runtime.redis_server import redacted_url
+    from cluster.runtime.redis_client import redacted_url
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     stack = LocalStack(settings)
@@ -109,7 +109,7 @@ def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
     import json
 
     from cluster.ops.stack import admin_redis_url
-    from cluster.runtime.redis_server import connect
+    from cluster.runtime.redis_client import connect
     from cluster.wire.keys import Keys
     from cluster.wire.tenants import ApiKeys, Limits
 

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import structlog
 import yaml
 
+from cluster.errors import ConfigError
 from cluster.ops.stack import deploy, engine_settings, load_serve_config
 from cluster.runtime.settings import Settings
 
@@ -45,10 +46,6 @@ _POLICY_FIELDS_FROM_ARGS = {
     "queue_policy": "edf",
     "heartbeat_ms": 1_000,
 }
-
-
-class DeployError(ValueError):
-    """The config cannot be deployed as it is (the message says why)."""
 
 
 def _policies(config: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -89,7 +86,7 @@ def check_policies(config: dict[str, Any]) -> None:
             try:
                 target(**policy.get("policy_kwargs", {}))
             except (TypeError, ValueError) as exc:
-                raise DeployError(f"autoscaling policy {policy['policy_function']}: {exc}") from exc
+                raise ConfigError(f"autoscaling policy {policy['policy_function']}: {exc}") from exc
 
 
 def prepare_config(path: str | Path, settings: Settings) -> dict[str, Any]:
@@ -101,7 +98,7 @@ def prepare_config(path: str | Path, settings: Settings) -> dict[str, Any]:
     for app in config.get("applications", []):
         args = app["args"]
         if not args.get("redis_url"):
-            raise DeployError(
+            raise ConfigError(
                 f"application {app.get('name')!r} has no Redis: set CHARSERVE_REDIS_URL "
                 "or args.redis_url in the config"
             )
@@ -149,7 +146,7 @@ def run(config_path: str, address: str | None, timeout_s: float, settings: Setti
         return 2
     try:
         config = prepare_config(config_path, settings)
-    except (ValueError, OSError, yaml.YAMLError) as exc:  # DeployError, schema, file
+    except (ValueError, OSError, yaml.YAMLError) as exc:  # ConfigError, schema, file
         sys.stderr.write(f"charserve deploy: {exc}\n")
         return 2
     ray.init(address=address, logging_level=logging.WARNING)

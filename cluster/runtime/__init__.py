@@ -1,1 +1,2 @@
-"""What each charserve process sets up: settings, Redis, logs, the collector policy, the bundled model, Prometheus helpers."""
+"""What each charserve process sets up: settings, Redis connections, logs, the collector
+policy, the clock, the bundled model and Prometheus helpers."""

@@ -1,17 +1,14 @@
-"""Prometheus metrics: the gateway's and the workers' own, and vLLM's, all on one ``/metrics``.
+"""Prometheus helpers shared by gateways and workers: per-token histograms, label bounds,
+and the transport of worker metrics through Redis onto one ``/metrics`` page.
 
 Each side keeps its metrics on a private :class:`CollectorRegistry` (never the global one,
-so tests can build many apps in one process):
-
-- :class:`GatewayMetrics`: TTFT, inter-chunk latency, queue wait and end-to-end latency by
-  priority class, admission decisions by reason, request outcomes, active streams and relay
-  lag. A :class:`RequestTimer` per request keeps the hot path to one histogram observe.
-- :class:`WorkerMetrics`: claims, jobs in flight, lease expiries, requeues, dead letters.
+so tests can build many apps in one process): :mod:`gateway.metrics` and
+:mod:`workers.loop.metrics`.
 
 Workers take no HTTP traffic, so each one renders its registry plus vLLM's ``vllm:``
 families (vLLM's ``AsyncLLM`` registers them in prometheus_client's global registry of the
 replica process whenever stats logging is on, its default) as exposition text every few
-seconds, and stores it in Redis under ``{ns}:metrics:{worker_id}`` with a TTL
+seconds, and stores it in Redis under the worker's metrics key with a TTL
 (:func:`run_worker_exporter`). A gateway reads the texts of the live workers
 (:func:`read_worker_metrics`) and :func:`render_all` merges them with its own: every
 worker sample gets a ``replica`` label (its worker id) and families of the same name are
@@ -27,20 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from enum import StrEnum
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 from prometheus_client import (
-    REGISTRY,
     CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
@@ -48,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
-from cluster.wire.protocol import Chunk
 
 log = structlog.get_logger(__name__)
 
@@ -59,9 +51,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REPLICA_LABEL = "replica"
 VLLM_PREFIX = "vllm:"
 
-PRIORITIES = ("interactive", "standard", "batch")
-DROP_REASONS = ("budget", "queue_full", "no_workers", "expired", "rate_limited")
-OUTCOMES = ("completed", "error", "expired", "cancelled", "timeout", "slow_consumer")
 OTHER = "other"
 
 # Seconds. TTFT and queue wait span interactive (ms) to batch (hours) and include the
@@ -147,272 +136,13 @@ class TokenHistogram(Collector):
         yield family
 
 
-def _known(value: str | None, allowed: tuple[str, ...]) -> str:
-    """``value`` if allowed, else ``other``: label values stay a small fixed set."""
-    return value if value in allowed else OTHER
+def known(value: str | None, allowed: type[StrEnum]) -> str:
+    """``value`` if it is one of ``allowed``, else ``other``: label values stay a small
+    fixed set whatever a message from another build carries."""
+    return str(value) if value in allowed._value2member_map_ else OTHER
 
 
-class GatewayMetrics:
-    """The gateway's metrics, on :attr:`registry`."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
-        by_class = ["priority"]
-        self._ttft = Histogram(
-            "charserve_ttft_seconds",
-            "Arrival at the gateway to the first token written to the client.",
-            by_class,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._itl = TokenHistogram(
-            "charserve_itl_seconds",
-            "Gap between successive content chunks written to a client (one chunk may "
-            "carry several tokens when the worker coalesces).",
-            by_class,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self._queue_wait = Histogram(
-            "charserve_queue_wait_seconds",
-            "Arrival to claim by a worker, as the worker measured it.",
-            by_class,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._e2e = Histogram(
-            "charserve_e2e_seconds",
-            "Arrival to the final chunk of a completed request.",
-            by_class,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self._relay_lag = TokenHistogram(
-            "charserve_relay_lag_seconds",
-            "A chunk's publication by its worker (or its receipt by this gateway's inbox) "
-            "to its write to the client.",
-            (),
-            buckets=RELAY_BUCKETS,
-            registry=r,
-        )
-        self._admission = Counter(
-            "charserve_admission",
-            "Admission decisions at the door, by reason for rejections.",
-            ["priority", "decision", "reason"],
-            registry=r,
-        )
-        self._requests = Counter(
-            "charserve_requests",
-            "Admitted requests by how they ended.",
-            ["priority", "outcome"],
-            registry=r,
-        )
-        self._active = Gauge(
-            "charserve_active_streams",
-            "Requests with a reply stream open on this gateway.",
-            registry=r,
-        )
-        self._queued = Gauge(
-            "charserve_queue_waiting",
-            "Jobs waiting in the queue (gateway's last snapshot).",
-            registry=r,
-        )
-        self._workers = Gauge(
-            "charserve_workers", "Live workers (gateway's last snapshot).", registry=r
-        )
-        # Children resolved once: the hot path is a dict lookup and one observe. Creating
-        # every series up front also makes them exist at 0, so rate() sees the first event.
-        self.ttft = {p: self._ttft.labels(p) for p in (*PRIORITIES, OTHER)}
-        self.itl = {p: self._itl.labels(p) for p in (*PRIORITIES, OTHER)}
-        self.queue_wait = {p: self._queue_wait.labels(p) for p in (*PRIORITIES, OTHER)}
-        self.e2e = {p: self._e2e.labels(p) for p in (*PRIORITIES, OTHER)}
-        self.relay_lag = self._relay_lag.labels()
-        for p in PRIORITIES:
-            self._admission.labels(p, "admitted", "")
-            for reason in DROP_REASONS:
-                self._admission.labels(p, "rejected", reason)
-            for outcome in OUTCOMES:
-                self._requests.labels(p, outcome)
-
-    def bind(
-        self,
-        *,
-        active_streams: Callable[[], float] | None = None,
-        queued: Callable[[], float] | None = None,
-        workers: Callable[[], float] | None = None,
-    ) -> None:
-        """Read these gauges from the given callables at scrape time (no hot-path cost),
-        e.g. ``active_streams=lambda: inbox.active``."""
-        for gauge, fn in (
-            (self._active, active_streams),
-            (self._queued, queued),
-            (self._workers, workers),
-        ):
-            if fn is not None:
-                gauge.set_function(fn)
-
-    def admitted(self, priority: str) -> None:
-        """Count a request admitted at the door."""
-        self._admission.labels(_known(priority, PRIORITIES), "admitted", "").inc()
-
-    def rejected(self, priority: str | None, reason: str) -> None:
-        """Count a request refused, by drop reason (``budget``, ``queue_full``, ...)."""
-        p = _known(priority, PRIORITIES)
-        self._admission.labels(p, "rejected", _known(reason, DROP_REASONS)).inc()
-
-    def request(self, priority: str, arrival_ms: int) -> RequestTimer:
-        """A timer for one admitted request that arrived at wall-clock ``arrival_ms``."""
-        return RequestTimer(self, _known(priority, PRIORITIES), arrival_ms)
-
-    def finished(self, priority: str, outcome: str, e2e_s: float | None) -> None:
-        """Count a request's outcome; observe its end-to-end latency if it completed."""
-        priority = _known(priority, PRIORITIES)
-        self._requests.labels(priority, _known(outcome, OUTCOMES)).inc()
-        if e2e_s is not None:
-            self.e2e[priority].observe(e2e_s)
-
-
-class RequestTimer:
-    """Latency of one request: call :meth:`on_chunk` as each chunk is written to the
-    client (the first gives TTFT and queue wait, later ones the inter-chunk gap) and
-    :meth:`finish` once at the end (idempotent)."""
-
-    __slots__ = ("_done", "_last", "_metrics", "_priority", "_start", "ttft_s")
-
-    def __init__(self, metrics: GatewayMetrics, priority: str, arrival_ms: int) -> None:
-        self._metrics = metrics
-        self._priority = priority
-        # Arrival on the monotonic clock, so every interval below is one subtraction.
-        self._start = time.perf_counter() - max(0.0, time.time() - arrival_ms / 1000.0)
-        self._last: float | None = None
-        self._done = False
-        self.ttft_s: float | None = None
-
-    @property
-    def elapsed_s(self) -> float:
-        """Seconds since the request arrived."""
-        return time.perf_counter() - self._start
-
-    def on_chunk(self, chunk: Chunk) -> None:
-        """Note ``chunk`` being written now; its ``sent_ms`` (the worker's wall-clock
-        publication time) gives the relay lag."""
-        now = time.perf_counter()
-        m, p = self._metrics, self._priority
-        if chunk.sent_ms > 0:
-            m.relay_lag.observe(max(0.0, time.time() - chunk.sent_ms / 1000.0))
-        if self._last is None:
-            if chunk.error_code in (None, "expired"):
-                m.queue_wait[p].observe(max(0.0, chunk.queue_ms / 1000.0))
-            if chunk.error_code is None:
-                self.ttft_s = now - self._start
-                m.ttft[p].observe(self.ttft_s)
-            self._last = now
-        elif chunk.token_ids or chunk.text:
-            m.itl[p].observe(now - self._last)
-            self._last = now
-
-    def finish(self, outcome: str) -> bool:
-        """Count the request's outcome (see :data:`OUTCOMES`; :func:`chunk_outcome` maps
-        a final chunk); a completed request also gives its end-to-end latency. False if
-        it was already finished (later calls do nothing)."""
-        if self._done:
-            return False
-        self._done = True
-        self._metrics.finished(
-            self._priority, outcome, self.elapsed_s if outcome == "completed" else None
-        )
-        return True
-
-
-def chunk_outcome(chunk: Chunk) -> str:
-    """The outcome a final chunk reports: completed, expired, cancelled or error."""
-    if chunk.error_code is None:
-        return "completed"
-    return chunk.error_code if chunk.error_code in ("expired", "cancelled") else "error"
-
-
-class WorkerMetrics:
-    """One worker's metrics, on :attr:`registry`. Unlabelled by worker: the gateway adds
-    ``replica`` to every worker sample, as it does to vLLM's."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self._claims = Counter(
-            "charserve_worker_claims", "Jobs claimed from the queue.", ["priority"], registry=r
-        )
-        self._inflight = Gauge("charserve_worker_inflight", "Jobs running now.", registry=r)
-        self._slots = Gauge("charserve_worker_slots", "Batch slots of the engine.", registry=r)
-        self._expiries = Counter(
-            "charserve_worker_lease_expiries",
-            "Expired leases (of any worker) this worker reclaimed.",
-            registry=r,
-        )
-        self._lost = Counter(
-            "charserve_worker_leases_lost",
-            "This worker's own leases found expired or taken at renewal.",
-            registry=r,
-        )
-        self._requeues = Counter(
-            "charserve_worker_requeues",
-            "Jobs put back on the queue: after a lease expiry, or handed back at shutdown.",
-            ["reason"],
-            registry=r,
-        )
-        self._dead = Counter(
-            "charserve_worker_dead_letters",
-            "Jobs dead-lettered: too many attempts, or an undecodable body.",
-            ["reason"],
-            registry=r,
-        )
-        self.claims = {p: self._claims.labels(p) for p in (*PRIORITIES, OTHER)}
-        for reason in ("lease_expired", "handback"):
-            self._requeues.labels(reason)
-        for reason in ("attempts", "poison"):
-            self._dead.labels(reason)
-
-    def bind(
-        self,
-        *,
-        inflight: Callable[[], float] | None = None,
-        slots: Callable[[], float] | None = None,
-    ) -> None:
-        """Read the gauges from callables at render time, e.g. ``lambda: len(running)``."""
-        if inflight is not None:
-            self._inflight.set_function(inflight)
-        if slots is not None:
-            self._slots.set_function(slots)
-
-    def claimed(self, priority: str) -> None:
-        """Count one claimed job."""
-        self.claims[_known(priority, PRIORITIES)].inc()
-
-    def lease_expired(self, n: int = 1) -> None:
-        """Count expired leases this worker reclaimed."""
-        self._expiries.inc(n)
-
-    def lease_lost(self, n: int = 1) -> None:
-        """Count this worker's own leases lost at renewal."""
-        self._lost.inc(n)
-
-    def recovered(self, outcome: str, *, handback: bool = False) -> None:
-        """Count what recovery did with a job (``workers.loop.recovery.Outcome``)."""
-        if outcome == "requeued":
-            self._requeues.labels("handback" if handback else "lease_expired").inc()
-        elif outcome == "dead_lettered":
-            self._dead.labels("attempts").inc()
-
-    def poisoned(self) -> None:
-        """Count a job dead-lettered because its body could not be decoded."""
-        self._dead.labels("poison").inc()
-
-
-# -- rendering and merging ------------------------------------------------------------
-
-
-class _Families:
+class Families:
     """A collector over fixed families, for ``generate_latest``."""
 
     def __init__(self, families: Iterable[Metric]) -> None:
@@ -422,7 +152,10 @@ class _Families:
         return iter(self._families)
 
 
-def _without_created(families: Iterable[Metric]) -> Iterator[Metric]:
+# -- rendering and merging ------------------------------------------------------------
+
+
+def without_created(families: Iterable[Metric]) -> Iterator[Metric]:
     """The families without their ``_created`` samples (and without empty families)."""
     for family in families:
         created = family.name + "_created"
@@ -437,22 +170,6 @@ def _copy(family: Metric, samples: list[Any]) -> Metric:
     out = Metric(family.name, family.documentation, family.type, family.unit)
     out.samples = samples
     return out
-
-
-def render_worker_metrics(
-    worker_metrics: WorkerMetrics, include_vllm: bool = True, vllm_source: Collector = REGISTRY
-) -> str:
-    """A worker's exposition text: its own metrics, plus the ``vllm:`` families of
-    ``vllm_source`` (the process's global registry, where vLLM registers them) when
-    ``include_vllm``.
-
-    vLLM's metrics are read from this process's registry, never through a
-    ``PROMETHEUS_MULTIPROC_DIR``: that directory may be shared by every replica on a host.
-    """
-    families = list(worker_metrics.registry.collect())
-    if include_vllm:
-        families += [f for f in vllm_source.collect() if f.name.startswith(VLLM_PREFIX)]
-    return generate_latest(_Families(_without_created(families))).decode()
 
 
 _SUFFIXES = {
@@ -487,7 +204,7 @@ def _parse(text: str) -> list[Metric]:
         elif family.type == "unknown" and f"_{suffix}" in _SUFFIXES[typed.type]:
             typed.samples.extend(family.samples)
             del families[name]
-    return list(_without_created(families.values()))
+    return list(without_created(families.values()))
 
 
 def merge_families(
@@ -525,8 +242,8 @@ def merge_families(
 def render_all(gateway_registry: CollectorRegistry, worker_texts: dict[str, str]) -> bytes:
     """One valid exposition of the gateway's registry plus every worker's text (keyed by
     worker id, which becomes the ``replica`` label)."""
-    own = _without_created(gateway_registry.collect())
-    return generate_latest(_Families(merge_families(own, worker_texts)))
+    own = without_created(gateway_registry.collect())
+    return generate_latest(Families(merge_families(own, worker_texts)))
 
 
 # -- transport through Redis ----------------------------------------------------------
@@ -568,7 +285,7 @@ async def read_worker_metrics(
 ) -> dict[str, str]:
     """The exposition texts of the workers that sent a heartbeat in the last
     ``max_age_ms``, by worker id (one ZRANGEBYSCORE and one MGET; no SCAN)."""
-    since = time.time_ns() // 1_000_000 - max_age_ms
+    since = now_ms() - max_age_ms
     raw_ids = await redis.zrangebyscore(keys.workers, since, "+inf")
     ids = [i.decode() if isinstance(i, bytes) else str(i) for i in raw_ids]
     if not ids:

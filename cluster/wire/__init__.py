@@ -1,1 +1,2 @@
-"""The contract between gateways and workers: messages, every Redis key, the queue, the reply log and the tenant store."""
+"""The contract between gateways and workers: messages, vocabulary, every Redis key, the
+queue, the reply log and the tenant store."""

@@ -17,12 +17,10 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
+from cluster.errors import ProtocolError
+
 VERSION = 2
 _ACCEPTED = frozenset({1, 2})
-
-
-class ProtocolError(ValueError):
-    """A message could not be decoded: wrong kind, unknown version, or wrong shape."""
 
 
 @dataclass(frozen=True, slots=True)

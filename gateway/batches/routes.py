@@ -38,23 +38,21 @@ from gateway.batches.store import (
     Status,
 )
 from gateway.http.errors import (
-    APIError,
     BadRequest,
+    Conflict,
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
-    error_responses,
 )
+from gateway.http.openapi import error_responses
 
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class BatchConflict(APIError):
+class BatchConflict(Conflict):
     """The batch is in a state that does not allow this (409)."""
 
-    status = 409
-    type = "invalid_request_error"
     code = "invalid_batch_state"
 
 

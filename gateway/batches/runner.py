@@ -48,12 +48,13 @@ import structlog
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from cluster.runtime.clock import now_ms
 from cluster.runtime.settings import Settings
 from cluster.wire.queue import JobQueue
 from gateway.batches.store import ENDPOINT, BatchConfig, BatchState, BatchStore
 from gateway.chat.admission import admit
 from gateway.chat.schemas import ChatCompletionRequest
-from gateway.chat.service import ChatService, now_ms
+from gateway.chat.service import ChatService
 from gateway.http.errors import APIError, BadRequest
 
 log = structlog.get_logger(__name__)

@@ -43,6 +43,7 @@ import redis.asyncio as aioredis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
 from cluster.wire.queue import NOW_MS_LUA
 
@@ -446,7 +447,7 @@ class BatchStore:
                 },
             )
             pipe.set(k.file_data(tenant, file.id), data)
-            pipe.zadd(k.files(tenant), {file.id: time.time_ns() // 1_000_000})
+            pipe.zadd(k.files(tenant), {file.id: now_ms()})
             await pipe.execute()
         return file
 
@@ -527,7 +528,7 @@ class BatchStore:
                     "cursor": 0,
                 },
             )
-            pipe.zadd(k.batches(tenant), {state.id: time.time_ns() // 1_000_000})
+            pipe.zadd(k.batches(tenant), {state.id: now_ms()})
             pipe.sadd(k.active, member(tenant, state.id))
             await pipe.execute()
         return state

@@ -16,12 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.runtime.prometheus import GatewayMetrics
 from cluster.runtime.settings import Settings
 from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
 from gateway.chat.capacity import Capacity, CapacityView
 from gateway.http.errors import APIError, BadRequest, ServiceUnavailable, TooManyRequests
+from gateway.metrics import GatewayMetrics
 
 CLASSES = ("interactive", "standard", "batch")
 

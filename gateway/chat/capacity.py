@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from cluster.runtime.clock import now_ms
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
@@ -93,8 +94,7 @@ class CapacityView:
 
     async def refresh(self) -> Capacity:
         """Read heartbeats and queue depth now."""
-        now_ms = time.time_ns() // 1_000_000
-        ids = await self._redis.zrangebyscore(self._keys.workers, now_ms - self._fresh_ms, "+inf")
+        ids = await self._redis.zrangebyscore(self._keys.workers, now_ms() - self._fresh_ms, "+inf")
         stats: list[WorkerStats] = []
         async with self._redis.pipeline(transaction=False) as pipe:
             for worker_id in ids:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.http.errors import ERROR_RESPONSES, error_responses
+from gateway.http.openapi import ERROR_RESPONSES, error_responses
 
 
 class TextPart(BaseModel):

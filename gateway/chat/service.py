@@ -22,10 +22,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 from starlette.types import Send
 
-from cluster.runtime.prometheus import GatewayMetrics, chunk_outcome
+from cluster.errors import Disconnected
 from cluster.runtime.settings import Settings
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import JobQueue
+from cluster.wire.vocabulary import Outcome
 from gateway.characters.store import PersonaChat, PersonaTurn
 from gateway.chat.admission import Admission, Admitter
 from gateway.chat.prompts import PromptBuilder
@@ -40,6 +41,7 @@ from gateway.http.errors import (
     from_worker,
 )
 from gateway.http.middleware import Authenticator
+from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox, ReplyStream, SlowConsumer
 from gateway.streaming.resume import RequestMeta
 from gateway.streaming.socket_writer import ConnectionWriter
@@ -50,13 +52,8 @@ log = structlog.get_logger(__name__)
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 
-class ClientGone(Exception):
+class ClientGone(Disconnected):
     """The client disconnected before the reply started."""
-
-
-def now_ms() -> int:
-    """Wall-clock ms (deadlines are shared across machines)."""
-    return time.time_ns() // 1_000_000
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -275,7 +272,7 @@ class ChatService:
             first = await self._next(chunks, receive)
             tracker.chunk(first)
             if first.error_code is not None:
-                tracker.finish(chunk_outcome(first))
+                tracker.finish(Outcome.of_error(first.error_code))
                 if first.error_code == "expired":
                     self._metrics.rejected(job.priority_class, "expired")
                 raise from_worker(first.error_code, first.error_message)
@@ -294,7 +291,7 @@ class ChatService:
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **rate},
                 )
             text, final = await _race_disconnect(self._collect(first, chunks, tracker), receive)
-            tracker.finish(chunk_outcome(final))
+            tracker.finish(Outcome.of_error(final.error_code))
             if final.error_code is not None:
                 raise from_worker(final.error_code, final.error_message)
             await self._record(turn, text, final)
@@ -396,7 +393,7 @@ class ChatService:
                 yield fmt.render(chunk)
                 if chunk.is_final:
                     finished = True
-                    tracker.finish(chunk_outcome(chunk))
+                    tracker.finish(Outcome.of_error(chunk.error_code))
                     return
                 if chunk is first:
                     # The head and the first event are out: later content may go straight

@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from cluster.errors import Disconnected
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
@@ -46,7 +47,7 @@ log = structlog.get_logger(__name__)
 LOST_SEQ = 0
 
 
-class SlowConsumer(Exception):
+class SlowConsumer(Disconnected):
     """The client fell too far behind; its stream is cut off (it may resume from the log)."""
 
 

@@ -26,7 +26,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve._private.config import ReplicaConfig
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.ops.deploy import BACKLOG_POLICY, DeployError, gateway_env
+from cluster.errors import ConfigError
+from cluster.ops.deploy import BACKLOG_POLICY, gateway_env
 from cluster.ops.deploy import prepare_config as prepare_deploy
 from cluster.runtime.settings import Settings
 from workers.deployment import WorkerArgs, graceful_shutdown_timeout_s
@@ -249,7 +250,7 @@ def test_deploy_fills_redis_namespace_and_policy_kwargs() -> None:
 
 
 def test_deploy_refuses_a_config_without_redis() -> None:
-    with pytest.raises(DeployError, match="no Redis"):
+    with pytest.raises(ConfigError, match="no Redis"):
         prepare_deploy(CONFIGS / "gpu.yaml", Settings(redis_url=None))
 
 
@@ -259,7 +260,7 @@ def test_deploy_refuses_bad_policy_kwargs(tmp_path: Path) -> None:
     policy["policy_kwargs"]["target_utilisation"] = 0.5
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
-    with pytest.raises(DeployError, match="target_utilisation"):
+    with pytest.raises(ConfigError, match="target_utilisation"):
         prepare_deploy(path, Settings(redis_url="redis://127.0.0.1:6379/0"))
 
 

@@ -17,18 +17,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.runtime.prometheus import (
     ITL_BUCKETS,
-    GatewayMetrics,
     TokenHistogram,
-    WorkerMetrics,
-    chunk_outcome,
     publish_worker_metrics,
     read_worker_metrics,
     render_all,
-    render_worker_metrics,
     run_worker_exporter,
 )
 from cluster.wire.keys import Keys
+from cluster.wire.vocabulary import Outcome
+from gateway.metrics import GatewayMetrics
 from tests.fakes import make_chunk
+from workers.loop.metrics import WorkerMetrics, render_worker_metrics
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "charserve.json"
 _SUFFIXES = {
@@ -96,7 +95,7 @@ def test_request_timer_observes_each_histogram_once() -> None:
     timer.on_chunk(make_chunk(1, queue_ms=40.0))
     timer.on_chunk(make_chunk(2, sent_ms=time.time() * 1000 - 10))
     timer.on_chunk(make_chunk(3, text="", finish_reason="stop"))  # empty final: no ITL
-    timer.finish(chunk_outcome(make_chunk(3, text="", finish_reason="stop")))
+    timer.finish(Outcome.of_error(make_chunk(3, text="", finish_reason="stop").error_code))
     timer.finish("error")  # idempotent
     out = render_all(m.registry, {}).decode()
     assert_valid_exposition(out)
@@ -118,7 +117,7 @@ def test_expired_first_chunk_counts_queue_wait_but_no_ttft() -> None:
     timer = m.request("batch", time.time_ns() // 1_000_000)
     expired = make_chunk(1, text="", finish_reason="error", error_code="expired", queue_ms=900.0)
     timer.on_chunk(expired)
-    timer.finish(chunk_outcome(expired))
+    timer.finish(Outcome.of_error(expired.error_code))
     out = render_all(m.registry, {}).decode()
     p = {"priority": "batch"}
     assert value(out, "charserve_ttft_seconds_count", **p) == 0

@@ -7,7 +7,7 @@ import dataclasses
 
 import redis.asyncio as aioredis
 
-from cluster.runtime.redis_server import connect
+from cluster.runtime.redis_client import connect
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Cancel, Job

@@ -16,7 +16,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError
 
-from cluster.runtime.redis_server import RedisServer, TlsFiles, check_url, connect, redacted_url
+from cluster.runtime.redis_client import check_url, connect, redacted_url
+from cluster.runtime.redis_server import RedisServer, TlsFiles
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from cluster.runtime.redis_server import free_port
+from cluster.runtime.ports import free_port
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys
@@ -108,7 +108,7 @@ class Stack:
 async def stack(redis_url: str, model_path: str) -> AsyncIterator[Stack]:
     settings = gateway_settings(redis_url, model_path, auth_cache_s=0)
     keys = Keys(settings.namespace)
-    from cluster.runtime.redis_server import connect
+    from cluster.runtime.redis_client import connect
 
     admin = connect(redis_url)
     api_keys = ApiKeys(admin, keys)

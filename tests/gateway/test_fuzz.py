@@ -36,12 +36,12 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from cluster.runtime.redis_server import connect
+from cluster.runtime.redis_client import connect
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys
 from gateway.chat.schemas import ChatCompletionChunk
-from gateway.http.errors import ErrorBody
+from gateway.http.openapi import ErrorBody
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from workers.loop.consumer import Consumer, ConsumerConfig

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.runtime.redis_server import RedisServer, free_port
+from cluster.runtime.ports import free_port
+from cluster.runtime.redis_server import RedisServer
 from cluster.wire.keys import Keys
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway

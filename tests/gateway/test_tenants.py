@@ -37,7 +37,7 @@ async def keyed(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
 
 @pytest.fixture(scope="module")
 async def api_keys(keyed: Gateway, redis_url: str) -> AsyncIterator[ApiKeys]:
-    from cluster.runtime.redis_server import connect
+    from cluster.runtime.redis_client import connect
 
     client = connect(redis_url)
     yield ApiKeys(client, keyed.keys)

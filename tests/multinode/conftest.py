@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from cluster.ops.stack import wait_ready
-from cluster.runtime.redis_server import free_port
+from cluster.runtime.ports import free_port
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats

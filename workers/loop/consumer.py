@@ -22,14 +22,16 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from cluster.runtime.prometheus import WorkerMetrics, render_worker_metrics, run_worker_exporter
-from cluster.runtime.redis_server import connect
+from cluster.runtime.clock import now_ms
+from cluster.runtime.prometheus import run_worker_exporter
+from cluster.runtime.redis_client import connect
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Cancel, Job, WorkerStats
 from cluster.wire.queue import JobQueue, Poison, QueuePolicy
 from workers.engines.vllm_engine import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
+from workers.loop.metrics import WorkerMetrics, render_worker_metrics
 from workers.loop.pacing import StartPacer
 from workers.loop.publisher import Publisher, RequestStream
 from workers.loop.recovery import Recovery
@@ -41,11 +43,6 @@ log = structlog.get_logger(__name__)
 def new_worker_id() -> str:
     """A worker id that is unique across hosts and restarts."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def now_ms() -> int:
-    """Wall-clock milliseconds (deadlines are wall-clock, shared across machines)."""
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
+from cluster.runtime.clock import now_ms
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
@@ -147,8 +148,8 @@ _LATER_RANKS = _sample_ranks()
 
 def read_snapshot(client: redis.Redis, keys: Keys, heartbeat_ms: int) -> QueueSnapshot:
     """Read the queue and the workers' heartbeats (two round trips)."""
-    now_ms = time.time_ns() // 1_000_000
-    fresh_from = now_ms - 3 * heartbeat_ms
+    now = now_ms()
+    fresh_from = now - 3 * heartbeat_ms
     ids = client.zrangebyscore(keys.workers, fresh_from, "+inf")
     pipe = client.pipeline(transaction=False)
     pipe.zcard(keys.queue)
@@ -173,7 +174,7 @@ def read_snapshot(client: redis.Redis, keys: Keys, heartbeat_ms: int) -> QueueSn
                 log.warning("bad worker stats", error=str(exc))
     live = [s for s in stats if not s.draining]
     return QueueSnapshot(
-        now_ms=now_ms,
+        now_ms=now,
         waiting=waiting,
         claimed=claimed,
         head=tuple(head),
