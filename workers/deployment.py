@@ -17,7 +17,7 @@ import os
 from typing import Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from ray import serve
 from ray.serve import Application
 
@@ -25,19 +25,18 @@ from cluster.runtime import gc_policy as heap
 from cluster.runtime.bundled_model import resolve_model
 from cluster.runtime.logs import configure_logging
 from cluster.wire.keys import Keys
-from cluster.wire.queue import QueuePolicy
 from workers.engines.config import EngineConfig
 from workers.engines.simulated import SimulatedConfig, SimulatedEngine
 from workers.engines.vllm_engine import Engine, VllmEngine
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 log = structlog.get_logger(__name__)
 
 
-class WorkerArgs(BaseModel):
-    """The ``args`` of the Serve application (validated, so a typo fails the deploy)."""
-
-    model_config = ConfigDict(extra="forbid")
+class WorkerArgs(ConsumerConfig):
+    """The ``args`` of the Serve application: the consumer's knobs plus the engine and
+    where to find Redis (validated, so a typo fails the deploy)."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     engine_kind: Literal["vllm", "simulated"] = Field(
@@ -50,22 +49,6 @@ class WorkerArgs(BaseModel):
         default=None, description="Redis the replicas claim from; None = $CHARSERVE_REDIS_URL."
     )
     namespace: str = "charserve"
-    lease_ms: int = 5_000
-    heartbeat_ms: int = 1_000
-    publish_interval_ms: float = 0.0
-    queue_policy: QueuePolicy = "edf"
-    batch_reserve_slots: int = Field(default=4, ge=0)
-    batch_reserve_min: int | None = Field(
-        default=None,
-        ge=0,
-        description="Adaptive reserve: follow the latency-bound jobs in flight (their "
-        "peak over batch_reserve_window_s, plus 2) between this and batch_reserve_slots.",
-    )
-    batch_reserve_window_s: float = Field(default=30.0, gt=0)
-    max_attempts: int = Field(default=3, ge=1)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    batch_starts_per_s: float = Field(default=8.0, ge=0)
-    batch_start_burst: int = Field(default=2, ge=1)
     log_format: str = "json"
     log_level: str = "info"
 
@@ -105,19 +88,7 @@ class WorkerReplica:
             parsed.resolved_redis_url(),
             Keys(parsed.namespace),
             self._engine,
-            ConsumerConfig(
-                lease_ms=parsed.lease_ms,
-                heartbeat_ms=parsed.heartbeat_ms,
-                publish_interval_ms=parsed.publish_interval_ms,
-                queue_policy=parsed.queue_policy,
-                batch_reserve_slots=parsed.batch_reserve_slots,
-                batch_reserve_min=parsed.batch_reserve_min,
-                batch_reserve_window_s=parsed.batch_reserve_window_s,
-                max_attempts=parsed.max_attempts,
-                drain_timeout_s=parsed.drain_timeout_s,
-                batch_starts_per_s=parsed.batch_starts_per_s,
-                batch_start_burst=parsed.batch_start_burst,
-            ),
+            parsed,
         )
         await self._consumer.start()
         # Ray, the engine and this app live as long as the replica: keep them out of the

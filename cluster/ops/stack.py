@@ -5,9 +5,10 @@ Starts what is missing, in order: the bundled model (prepared once), a private
 ``RAY_ADDRESS`` names a cluster, the Serve application from ``ray-configs/local-cpu.yaml``,
 and the gateway processes. :meth:`LocalStack.stop` stops everything it started, in reverse.
 
-The Serve config is deployed the way ``serve run CONFIG`` does it (Ray's schema, then the
-controller's ``deploy_apps``), with the Redis URL and the model filled into the app's args,
-so the same file also works with ``serve deploy`` on a running cluster.
+The Serve config is completed as :mod:`cluster.ops.serve_config` says (the Redis URL, the
+model and the settings a gateway and its workers share) and deployed the way ``serve run
+CONFIG`` does it (:mod:`cluster.ops.ray_serve`), so the same file also works with ``serve
+deploy`` on a running cluster.
 """
 
 from __future__ import annotations
@@ -22,74 +23,16 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import structlog
-import yaml
 
+from cluster.ops import ray_serve
+from cluster.ops.serve_config import gateway_env, load_serve_config
 from cluster.runtime.bundled_model import resolve_model
 from cluster.runtime.redis_server import RedisServer
 from cluster.runtime.settings import Settings
 
 log = structlog.get_logger(__name__)
-
-
-def load_serve_config(path: str | Path, redis_url: str, model: str | None) -> dict[str, Any]:
-    """Read a Serve config and fill in ``redis_url`` (and ``engine.model`` when set) for
-    every application whose args leave them out. Validated with Ray's own schema."""
-    from ray.serve.schema import ServeDeploySchema
-
-    config: dict[str, Any] = yaml.safe_load(Path(path).read_text())
-    for app in config.get("applications", []):
-        args = app.setdefault("args", {})
-        if not args.get("redis_url"):  # absent or an explicit null
-            args["redis_url"] = redis_url
-        engine = args.setdefault("engine", {})
-        if model and not engine.get("model"):
-            engine["model"] = model
-    ServeDeploySchema.model_validate(config)
-    return config
-
-
-def engine_settings(config: dict[str, Any]) -> dict[str, str]:
-    """Gateway environment that must agree with the first application's engine args."""
-    engine = config["applications"][0].get("args", {}).get("engine", {})
-    env: dict[str, str] = {}
-    if "served_model_name" in engine:
-        env["CHARSERVE_SERVED_MODEL_NAME"] = str(engine["served_model_name"])
-    if "max_model_len" in engine:
-        env["CHARSERVE_MAX_MODEL_LEN"] = str(engine["max_model_len"])
-    return env
-
-
-def deploy(config: dict[str, Any], timeout_s: float = 900.0) -> None:
-    """Deploy a Serve config on the connected Ray cluster and wait until it runs."""
-    from ray import serve
-    from ray.serve._private import api as serve_api
-    from ray.serve.config import gRPCOptions
-    from ray.serve.schema import ServeDeploySchema
-
-    schema = ServeDeploySchema.model_validate(config)
-    client = serve_api.serve_start(
-        http_options=schema.http_options.model_dump(),
-        proxy_location=schema.proxy_location,
-        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-    )
-    client.deploy_apps(schema, _blocking=False)
-    names = [app.name for app in schema.applications]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = serve.status().applications
-        states = {n: status[n].status if n in status else "NOT_STARTED" for n in names}
-        if all(s == "RUNNING" for s in states.values()):
-            log.info("serve applications running", apps=names)
-            return
-        failed = {n: status[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
-        if failed:
-            raise RuntimeError(f"Serve deploy failed: {failed}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Serve applications not running after {timeout_s:.0f}s: {states}")
-        time.sleep(1.0)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -158,7 +101,7 @@ class LocalStack:
             # `charserve keys` and other admin commands find the embedded Redis here.
             url_file(self.settings).write_text(redis_url + "\n")
         self.redis_url = redis_url
-        config = load_serve_config(self.settings.serve_config, redis_url, self.settings.model)
+        config = load_serve_config(self.settings.serve_config, self.settings, redis_url)
         address = os.environ.get("RAY_ADDRESS")
         # ray.init installs its own C-level SIGTERM handler (which aborts the driver);
         # put ours back afterwards so SIGTERM stops the stack in order.
@@ -176,10 +119,10 @@ class LocalStack:
         self._ray_started = True
         if callable(handler) and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, handler)
-        deploy(config)
+        ray_serve.deploy(config)
         env = {
             **os.environ,
-            **engine_settings(config),
+            **gateway_env(config),
             "CHARSERVE_REDIS_URL": redis_url,
             "CHARSERVE_MODEL": self.settings.model or model,
         }

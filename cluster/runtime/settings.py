@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cluster.wire.replylog import REPLY_LOG_TTL_S
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 
@@ -17,7 +19,9 @@ PriorityClass = Literal["interactive", "standard", "batch"]
 class Settings(BaseSettings):
     """Everything an operator can set. Field names map to ``CHARSERVE_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="CHARSERVE_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="CHARSERVE_", extra="ignore", populate_by_name=True
+    )
 
     # Where things are.
     redis_url: str | None = Field(
@@ -48,14 +52,11 @@ class Settings(BaseSettings):
     serve_config: str = Field(
         default="ray-configs/local-cpu.yaml", description="Serve config `up` deploys."
     )
-    publish_interval_ms: float = Field(
-        default=0.0,
-        ge=0.0,
-        description="Coalesce later tokens of one request for up to this long (0: send "
-        "whatever accumulated while the previous publish was in flight).",
+    heartbeat_ms: int = Field(
+        default=1_000,
+        ge=50,
+        description="The workers' heartbeat period: a worker is alive for three of them.",
     )
-    lease_ms: int = Field(default=10_000, ge=100, description="Claim lease length.")
-    heartbeat_ms: int = Field(default=1_000, ge=50, description="Worker heartbeat period.")
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="Longest a gateway waits for one reply."
     )
@@ -108,8 +109,14 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(
         default=2.0, ge=0, description="How long a gateway caches key lookups and limits."
     )
-    log_ttl_s: int = Field(
-        default=3600, ge=1, description="How long a reply can be resumed (its log lives)."
+    reply_log_ttl_s: int = Field(
+        default=REPLY_LOG_TTL_S,
+        ge=1,
+        # CHARSERVE_LOG_TTL_S is its name before 0.2 (still read).
+        validation_alias=AliasChoices(
+            "reply_log_ttl_s", "CHARSERVE_REPLY_LOG_TTL_S", "CHARSERVE_LOG_TTL_S"
+        ),
+        description="How long a reply can be resumed (its log lives).",
     )
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="auto: pretty on a TTY, JSON otherwise."

@@ -1,7 +1,9 @@
 """Every Redis key and channel name charserve uses, in one place.
 
 All keys share one namespace prefix so several deployments can share a Redis, and so an
-operator can find (and ``SCAN``) everything charserve stores.
+operator can find (and ``SCAN``) everything charserve stores. Nothing outside this module
+spells a key (a test checks). Keys that hold one tenant's objects carry the tenant, so
+another tenant's id is simply not found.
 """
 
 from __future__ import annotations
@@ -15,94 +17,170 @@ class Keys:
 
     namespace: str = "charserve"
 
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.namespace, *parts))
+
+    # -- the queue (cluster.wire.queue) ------------------------------------------------
+
     @property
     def queue(self) -> str:
         """Sorted set of queued job ids, score = deadline (EDF) or arrival (FIFO), in ms."""
-        return f"{self.namespace}:queue"
+        return self._key("queue")
 
     @property
     def jobs(self) -> str:
         """Hash: job id -> encoded Job body, for queued and claimed jobs."""
-        return f"{self.namespace}:jobs"
+        return self._key("jobs")
 
     @property
     def leases(self) -> str:
         """Sorted set of claimed job ids, score = lease expiry (Redis time, ms)."""
-        return f"{self.namespace}:leases"
+        return self._key("leases")
 
     @property
     def owners(self) -> str:
         """Hash: claimed job id -> worker id holding its lease."""
-        return f"{self.namespace}:owners"
+        return self._key("owners")
 
     @property
-    def batch(self) -> str:
+    def batch_jobs(self) -> str:
         """Set of waiting or claimed job ids in the batch class (they yield headroom)."""
-        return f"{self.namespace}:batch"
+        return self._key("batch")
 
     @property
     def dead(self) -> str:
         """List of dead-lettered jobs (capped): encoded Job, newest first."""
-        return f"{self.namespace}:dead"
+        return self._key("dead")
 
     @property
     def wake(self) -> str:
         """List workers block on (BLPOP): one token per enqueue wakes one idle worker."""
-        return f"{self.namespace}:wake"
+        return self._key("wake")
 
     @property
     def prefer(self) -> str:
         """Hash: queued job id -> ``worker|until_ms``, the worker it should wait for."""
-        return f"{self.namespace}:prefer"
+        return self._key("prefer")
 
     def wake_for(self, worker_id: str) -> str:
         """A wake list for one worker: enqueues of jobs that prefer it."""
-        return f"{self.namespace}:wake:{worker_id}"
+        return self._key("wake", worker_id)
+
+    # -- workers ---------------------------------------------------------------------
 
     @property
     def workers(self) -> str:
         """Sorted set of worker ids, score = last heartbeat (ms)."""
-        return f"{self.namespace}:workers"
+        return self._key("workers")
 
     def worker_stats(self, worker_id: str) -> str:
         """Latest encoded WorkerStats of one worker (expires with its heartbeat)."""
-        return f"{self.namespace}:worker:{worker_id}"
+        return self._key("worker", worker_id)
 
     def worker_metrics(self, worker_id: str) -> str:
         """A worker's exported Prometheus text (expires unless refreshed)."""
-        return f"{self.namespace}:metrics:{worker_id}"
-
-    def inbox(self, gateway_id: str) -> str:
-        """Pub/sub channel a gateway process receives every chunk of its requests on."""
-        return f"{self.namespace}:inbox:{gateway_id}"
+        return self._key("metrics", worker_id)
 
     def control(self, worker_id: str) -> str:
         """Pub/sub channel carrying Cancel messages to one worker."""
-        return f"{self.namespace}:control:{worker_id}"
+        return self._key("control", worker_id)
 
-    def meta(self, request_id: str) -> str:
-        """A request's owner and reply format (JSON), kept as long as its log."""
-        return f"{self.namespace}:meta:{request_id}"
+    # -- replies (cluster.wire.replylog) ---------------------------------------------
 
-    def log(self, request_id: str) -> str:
+    def inbox(self, gateway_id: str) -> str:
+        """Pub/sub channel a gateway process receives every chunk of its requests on."""
+        return self._key("inbox", gateway_id)
+
+    def request_meta(self, request_id: str) -> str:
+        """A request's owner and reply format (JSON), kept as long as its reply log."""
+        return self._key("meta", request_id)
+
+    def reply_log(self, request_id: str) -> str:
         """Capped stream of a request's chunks, for gap repair, resume and replay."""
-        return f"{self.namespace}:log:{request_id}"
+        return self._key("log", request_id)
+
+    # -- tenants (cluster.wire.tenants) ----------------------------------------------
 
     @property
     def api_keys(self) -> str:
         """Hash: SHA-256 of an API key -> its record (JSON: id, tenant, created, name)."""
-        return f"{self.namespace}:apikeys"
+        return self._key("apikeys")
 
     @property
     def api_key_ids(self) -> str:
         """Hash: key id -> SHA-256 of the key (for revocation by id)."""
-        return f"{self.namespace}:apikey-ids"
+        return self._key("apikey-ids")
 
     @property
     def tenant_limits(self) -> str:
         """Hash: tenant -> its own rate limits (JSON: rpm, tpm)."""
-        return f"{self.namespace}:limits"
+        return self._key("limits")
 
     def rate(self, tenant: str) -> str:
         """A tenant's rate-limit buckets (expire when idle)."""
-        return f"{self.namespace}:rate:{tenant}"
+        return self._key("rate", tenant)
+
+    # -- characters and sessions (gateway.characters.store) ---------------------------
+
+    def characters(self, tenant: str) -> str:
+        """Hash: character id -> JSON record (id, created, card)."""
+        return self._key("characters", tenant)
+
+    def character_worker(self, tenant: str) -> str:
+        """Hash: character id -> the worker that last served it (its prefix cache)."""
+        return self._key("character-worker", tenant)
+
+    def session(self, tenant: str, session_id: str) -> str:
+        """Hash: one session's fields (character, user name, created, last worker)."""
+        return self._key("session", tenant, session_id)
+
+    def session_turns(self, tenant: str, session_id: str) -> str:
+        """List: a session's messages as JSON, oldest first."""
+        return self._key("session-turns", tenant, session_id)
+
+    # -- files and batches (gateway.batches.store) ------------------------------------
+
+    def file(self, tenant: str, file_id: str) -> str:
+        """Hash: one file's object (bytes, created_at, filename, purpose)."""
+        return self._key("file", tenant, file_id)
+
+    def file_data(self, tenant: str, file_id: str) -> str:
+        """String: one file's content."""
+        return self._key("file-data", tenant, file_id)
+
+    def files(self, tenant: str) -> str:
+        """Sorted set: the tenant's file ids by creation (ms)."""
+        return self._key("files", tenant)
+
+    def batch_object(self, tenant: str, batch_id: str) -> str:
+        """Hash: one batch's state."""
+        return self._key("batch-obj", tenant, batch_id)
+
+    def batch_list(self, tenant: str) -> str:
+        """Sorted set: the tenant's batch ids by creation (ms)."""
+        return self._key("batch-list", tenant)
+
+    @property
+    def batch_active(self) -> str:
+        """Set of ``tenant/batch_id`` not yet in a final state (what runners poll)."""
+        return self._key("batch-active")
+
+    def batch_input(self, tenant: str, batch_id: str) -> str:
+        """String: the batch's private copy of its input file."""
+        return self._key("batch-input", tenant, batch_id)
+
+    def batch_results(self, tenant: str, batch_id: str) -> str:
+        """Hash: line index -> result (``o``/``e`` + JSON line)."""
+        return self._key("batch-results", tenant, batch_id)
+
+    def batch_leases(self, tenant: str, batch_id: str) -> str:
+        """Sorted set: line index -> lease expiry (Redis time, ms)."""
+        return self._key("batch-leases", tenant, batch_id)
+
+    def batch_owners(self, tenant: str, batch_id: str) -> str:
+        """Hash: line index -> id of the job running it."""
+        return self._key("batch-owners", tenant, batch_id)
+
+    def batch_lock(self, tenant: str, batch_id: str) -> str:
+        """String: the process validating or finalizing the batch."""
+        return self._key("batch-lock", tenant, batch_id)

@@ -262,8 +262,8 @@ class JobQueue:
                 k.queue,
                 k.jobs,
                 k.wake,
-                k.batch,
-                k.meta(job.id),
+                k.batch_jobs,
+                k.request_meta(job.id),
                 k.prefer,
                 k.wake_for(prefer or ""),
             ],
@@ -295,7 +295,7 @@ class JobQueue:
         k = self._keys
         room = max_jobs if batch_room is None else max(0, batch_room)
         bodies = await self._claim(
-            keys=[k.queue, k.jobs, k.leases, k.owners, k.batch, k.prefer],
+            keys=[k.queue, k.jobs, k.leases, k.owners, k.batch_jobs, k.prefer],
             args=[worker_id, max_jobs, lease_ms, room],
         )
         return _decode_pairs(bodies)
@@ -327,7 +327,7 @@ class JobQueue:
         """Move a job we hold the lease of to the dead-letter list."""
         k = self._keys
         done = await self._dead_letter(
-            keys=[k.leases, k.owners, k.jobs, k.dead, k.batch],
+            keys=[k.leases, k.owners, k.jobs, k.dead, k.batch_jobs],
             args=[job_id, worker_id, body, _DEAD_CAP],
         )
         return bool(done)
@@ -349,7 +349,9 @@ class JobQueue:
     async def ack(self, job_id: str, worker_id: str) -> bool:
         """Finish a job: drop its body and lease. False if the lease was no longer ours."""
         k = self._keys
-        done = await self._ack(keys=[k.leases, k.jobs, k.owners, k.batch], args=[job_id, worker_id])
+        done = await self._ack(
+            keys=[k.leases, k.jobs, k.owners, k.batch_jobs], args=[job_id, worker_id]
+        )
         return bool(done)
 
     async def renew(self, worker_id: str, job_ids: list[str], lease_ms: int) -> list[str]:
@@ -365,7 +367,7 @@ class JobQueue:
         k = self._keys
         message = protocol.encode(protocol.Cancel(request_id=job_id, reason=reason))
         outcome = await self._cancel(
-            keys=[k.queue, k.jobs, k.owners, k.batch, k.prefer],
+            keys=[k.queue, k.jobs, k.owners, k.batch_jobs, k.prefer],
             args=[job_id, k.control(""), message],
         )
         text = outcome.decode() if isinstance(outcome, bytes) else str(outcome)

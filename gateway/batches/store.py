@@ -93,63 +93,6 @@ class BatchConfig(BaseSettings):
     )
 
 
-@dataclass(frozen=True, slots=True)
-class BatchKeys:
-    """Redis key names of files and batches (see the module docstring)."""
-
-    namespace: str
-
-    @classmethod
-    def of(cls, keys: Keys) -> BatchKeys:
-        """The batch keys under ``keys``' namespace."""
-        return cls(keys.namespace)
-
-    def file(self, tenant: str, file_id: str) -> str:
-        """Hash: one file's object."""
-        return f"{self.namespace}:file:{tenant}:{file_id}"
-
-    def file_data(self, tenant: str, file_id: str) -> str:
-        """String: one file's content."""
-        return f"{self.namespace}:file-data:{tenant}:{file_id}"
-
-    def files(self, tenant: str) -> str:
-        """Sorted set: the tenant's file ids by creation (ms)."""
-        return f"{self.namespace}:files:{tenant}"
-
-    def batch(self, tenant: str, batch_id: str) -> str:
-        """Hash: one batch's state."""
-        return f"{self.namespace}:batch-obj:{tenant}:{batch_id}"
-
-    def batches(self, tenant: str) -> str:
-        """Sorted set: the tenant's batch ids by creation (ms)."""
-        return f"{self.namespace}:batch-list:{tenant}"
-
-    @property
-    def active(self) -> str:
-        """Set of ``tenant/batch_id`` not yet in a final state."""
-        return f"{self.namespace}:batch-active"
-
-    def input(self, tenant: str, batch_id: str) -> str:
-        """String: the batch's private copy of its input file."""
-        return f"{self.namespace}:batch-input:{tenant}:{batch_id}"
-
-    def results(self, tenant: str, batch_id: str) -> str:
-        """Hash: line index -> result (``o``/``e`` + JSON line)."""
-        return f"{self.namespace}:batch-results:{tenant}:{batch_id}"
-
-    def leases(self, tenant: str, batch_id: str) -> str:
-        """Sorted set: line index -> lease expiry (Redis time, ms)."""
-        return f"{self.namespace}:batch-leases:{tenant}:{batch_id}"
-
-    def owners(self, tenant: str, batch_id: str) -> str:
-        """Hash: line index -> id of the job running it."""
-        return f"{self.namespace}:batch-owners:{tenant}:{batch_id}"
-
-    def lock(self, tenant: str, batch_id: str) -> str:
-        """String: the process validating or finalizing the batch."""
-        return f"{self.namespace}:batch-lock:{tenant}:{batch_id}"
-
-
 def new_file_id() -> str:
     """A fresh file id, OpenAI style."""
     return f"file-{uuid.uuid4().hex[:24]}"
@@ -415,7 +358,7 @@ class BatchStore:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self._redis = redis
-        self.keys = BatchKeys.of(keys)
+        self.keys = keys
         self._record = redis.register_script(_RECORD)
         self._claim = redis.register_script(_CLAIM)
         self._renew = redis.register_script(_RENEW)
@@ -511,13 +454,13 @@ class BatchStore:
         }
         k = self.keys
         copied = await self._redis.copy(
-            k.file_data(tenant, input_file_id), k.input(tenant, state.id), replace=True
+            k.file_data(tenant, input_file_id), k.batch_input(tenant, state.id), replace=True
         )
         if not copied:
             return None
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(
-                k.batch(tenant, state.id),
+                k.batch_object(tenant, state.id),
                 mapping={
                     "static": json.dumps(static),
                     "status": "validating",
@@ -528,20 +471,20 @@ class BatchStore:
                     "cursor": 0,
                 },
             )
-            pipe.zadd(k.batches(tenant), {state.id: now_ms()})
-            pipe.sadd(k.active, member(tenant, state.id))
+            pipe.zadd(k.batch_list(tenant), {state.id: now_ms()})
+            pipe.sadd(k.batch_active, member(tenant, state.id))
             await pipe.execute()
         return state
 
     async def batch(self, tenant: str, batch_id: str) -> BatchState | None:
         """A batch, or None if the tenant has none by that id."""
-        raw = await self._redis.hgetall(self.keys.batch(tenant, batch_id))
+        raw = await self._redis.hgetall(self.keys.batch_object(tenant, batch_id))
         return BatchState.from_hash(tenant, raw) if raw else None
 
     async def batch_ids(self, tenant: str, after: str | None, limit: int) -> tuple[list[str], bool]:
         """Up to ``limit`` batch ids, newest first, after the id ``after``; and whether
         more follow."""
-        key = self.keys.batches(tenant)
+        key = self.keys.batch_list(tenant)
         start = 0
         if after:
             rank = await self._redis.zrevrank(key, after)
@@ -553,11 +496,11 @@ class BatchStore:
 
     async def active(self) -> list[tuple[str, str]]:
         """``(tenant, batch_id)`` of every batch not yet final."""
-        return [split_member(_text(m)) for m in await self._redis.smembers(self.keys.active)]
+        return [split_member(_text(m)) for m in await self._redis.smembers(self.keys.batch_active)]
 
     async def input(self, tenant: str, batch_id: str) -> bytes | None:
         """The batch's copy of its input file."""
-        data = await self._redis.get(self.keys.input(tenant, batch_id))
+        data = await self._redis.get(self.keys.batch_input(tenant, batch_id))
         return _bytes(data) if data is not None else None
 
     async def transition(
@@ -578,12 +521,12 @@ class BatchStore:
             args += [name, value]
         outcome = await self._transition(
             keys=[
-                k.batch(tenant, batch_id),
-                k.active,
-                k.input(tenant, batch_id),
-                k.results(tenant, batch_id),
-                k.leases(tenant, batch_id),
-                k.owners(tenant, batch_id),
+                k.batch_object(tenant, batch_id),
+                k.batch_active,
+                k.batch_input(tenant, batch_id),
+                k.batch_results(tenant, batch_id),
+                k.batch_leases(tenant, batch_id),
+                k.batch_owners(tenant, batch_id),
             ],
             args=args,
         )
@@ -591,7 +534,7 @@ class BatchStore:
 
     async def set_total(self, tenant: str, batch_id: str, total: int) -> None:
         """Record how many request lines the batch has (known once it is parsed)."""
-        await self._redis.hset(self.keys.batch(tenant, batch_id), "total", total)
+        await self._redis.hset(self.keys.batch_object(tenant, batch_id), "total", total)
 
     # -- lines ----------------------------------------------------------------------
 
@@ -602,10 +545,10 @@ class BatchStore:
         k = self.keys
         done = await self._record(
             keys=[
-                k.batch(tenant, batch_id),
-                k.results(tenant, batch_id),
-                k.leases(tenant, batch_id),
-                k.owners(tenant, batch_id),
+                k.batch_object(tenant, batch_id),
+                k.batch_results(tenant, batch_id),
+                k.batch_leases(tenant, batch_id),
+                k.batch_owners(tenant, batch_id),
             ],
             args=[index, value, counter],
         )
@@ -621,10 +564,10 @@ class BatchStore:
         prefix = f"batch_req_{secrets.token_hex(6)}_"
         flat = await self._claim(
             keys=[
-                k.batch(tenant, batch_id),
-                k.results(tenant, batch_id),
-                k.leases(tenant, batch_id),
-                k.owners(tenant, batch_id),
+                k.batch_object(tenant, batch_id),
+                k.batch_results(tenant, batch_id),
+                k.batch_leases(tenant, batch_id),
+                k.batch_owners(tenant, batch_id),
             ],
             args=[want, cap, lease_ms, prefix],
         )
@@ -642,7 +585,7 @@ class BatchStore:
         for index, job_id in owned.items():
             args += [index, job_id]
         lost = await self._renew(
-            keys=[k.owners(tenant, batch_id), k.leases(tenant, batch_id)], args=args
+            keys=[k.batch_owners(tenant, batch_id), k.batch_leases(tenant, batch_id)], args=args
         )
         return [int(_text(x)) for x in lost]
 
@@ -651,7 +594,7 @@ class BatchStore:
         process still owns it under ``job_id``."""
         k = self.keys
         done = await self._reown(
-            keys=[k.owners(tenant, batch_id), k.leases(tenant, batch_id)],
+            keys=[k.batch_owners(tenant, batch_id), k.batch_leases(tenant, batch_id)],
             args=[index, job_id, new],
         )
         return bool(done)
@@ -661,22 +604,27 @@ class BatchStore:
         # Lease scores are Redis time: compare with Redis's clock, not this process's.
         seconds, micros = await self._redis.time()
         now_ms = seconds * 1000 + micros // 1000
-        return int(await self._redis.zcount(self.keys.leases(tenant, batch_id), now_ms, "+inf"))
+        return int(
+            await self._redis.zcount(self.keys.batch_leases(tenant, batch_id), now_ms, "+inf")
+        )
 
     async def result_count(self, tenant: str, batch_id: str) -> int:
         """Lines with a result."""
-        return int(await self._redis.hlen(self.keys.results(tenant, batch_id)))
+        return int(await self._redis.hlen(self.keys.batch_results(tenant, batch_id)))
 
     async def missing(self, tenant: str, batch_id: str, total: int) -> list[int]:
         """Indexes of lines without a result."""
-        have = {int(_text(i)) for i in await self._redis.hkeys(self.keys.results(tenant, batch_id))}
+        have = {
+            int(_text(i))
+            for i in await self._redis.hkeys(self.keys.batch_results(tenant, batch_id))
+        }
         return [i for i in range(total) if i not in have]
 
     async def results(self, tenant: str, batch_id: str) -> dict[int, bytes]:
         """Every recorded result (index -> ``o``/``e`` + JSON line)."""
         out: dict[int, bytes] = {}
         async for index, value in self._redis.hscan_iter(
-            self.keys.results(tenant, batch_id), count=1000
+            self.keys.batch_results(tenant, batch_id), count=1000
         ):
             out[int(_text(index))] = _bytes(value)
         return out
@@ -684,9 +632,11 @@ class BatchStore:
     async def lock(self, tenant: str, batch_id: str, ttl_ms: int) -> str | None:
         """Take the batch's validate/finalize lock; its token, or None if held."""
         token = secrets.token_hex(8)
-        ok = await self._redis.set(self.keys.lock(tenant, batch_id), token, nx=True, px=ttl_ms)
+        ok = await self._redis.set(
+            self.keys.batch_lock(tenant, batch_id), token, nx=True, px=ttl_ms
+        )
         return token if ok else None
 
     async def unlock(self, tenant: str, batch_id: str, token: str) -> None:
         """Release the lock if still ours."""
-        await self._unlock(keys=[self.keys.lock(tenant, batch_id)], args=[token])
+        await self._unlock(keys=[self.keys.batch_lock(tenant, batch_id)], args=[token])

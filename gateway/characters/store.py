@@ -117,25 +117,16 @@ class CharacterStore:
         self._keys = keys
         self._append = redis.register_script(_APPEND)
 
-    def _characters(self, tenant: str) -> str:
-        return f"{self._keys.namespace}:characters:{tenant}"
-
-    def _session(self, tenant: str, session_id: str) -> str:
-        return f"{self._keys.namespace}:session:{tenant}:{session_id}"
-
-    def _turns(self, tenant: str, session_id: str) -> str:
-        return f"{self._keys.namespace}:session-turns:{tenant}:{session_id}"
-
     async def create_character(self, tenant: str, card: Card) -> Character:
         """Store ``card`` as a new character."""
         character = Character(f"char_{secrets.token_hex(8)}", int(time.time()), card)
         record = {"id": character.id, "created": character.created, "card": card.to_json()}
-        await self._redis.hset(self._characters(tenant), character.id, json.dumps(record))
+        await self._redis.hset(self._keys.characters(tenant), character.id, json.dumps(record))
         return character
 
     async def character(self, tenant: str, character_id: str) -> Character:
         """One character; 404 if this tenant has none by that id."""
-        raw = await self._redis.hget(self._characters(tenant), character_id)
+        raw = await self._redis.hget(self._keys.characters(tenant), character_id)
         if raw is None:
             raise NotFound(
                 f"No character with id {character_id!r}.",
@@ -147,13 +138,13 @@ class CharacterStore:
 
     async def characters(self, tenant: str) -> list[Character]:
         """Every character of the tenant, oldest first."""
-        raw = await self._redis.hvals(self._characters(tenant))
+        raw = await self._redis.hvals(self._keys.characters(tenant))
         records = sorted((json.loads(r) for r in raw), key=lambda r: (r["created"], r["id"]))
         return [Character(r["id"], r["created"], parse_card_json(r["card"])) for r in records]
 
     async def delete_character(self, tenant: str, character_id: str) -> bool:
         """Delete a character (its sessions stay readable but can no longer chat)."""
-        return bool(await self._redis.hdel(self._characters(tenant), character_id))
+        return bool(await self._redis.hdel(self._keys.characters(tenant), character_id))
 
     async def create_session(
         self, tenant: str, character: Character, user_name: str, greeting: str
@@ -169,7 +160,7 @@ class CharacterStore:
         )
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(
-                self._session(tenant, session.id),
+                self._keys.session(tenant, session.id),
                 mapping={
                     "character_id": character.id,
                     "user_name": user_name,
@@ -179,7 +170,7 @@ class CharacterStore:
             )
             if session.messages:
                 pipe.rpush(
-                    self._turns(tenant, session.id),
+                    self._keys.session_turns(tenant, session.id),
                     *(json.dumps(m) for m in session.messages),
                 )
             await pipe.execute()
@@ -188,8 +179,8 @@ class CharacterStore:
     async def session(self, tenant: str, session_id: str) -> Session:
         """One session with its messages; 404 if this tenant has none by that id."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._session(tenant, session_id))
-            pipe.lrange(self._turns(tenant, session_id), 0, -1)
+            pipe.hgetall(self._keys.session(tenant, session_id))
+            pipe.lrange(self._keys.session_turns(tenant, session_id), 0, -1)
             fields, turns = await pipe.execute()
         if not fields:
             raise NotFound(
@@ -207,23 +198,20 @@ class CharacterStore:
             [json.loads(t) for t in turns],
         )
 
-    def _character_worker(self, tenant: str) -> str:
-        return f"{self._keys.namespace}:character-worker:{tenant}"
-
     async def character_worker(self, tenant: str, character_id: str) -> str:
         """The worker that last served this character (its persona prefix is cached
         there), or ''."""
-        raw = await self._redis.hget(self._character_worker(tenant), character_id)
+        raw = await self._redis.hget(self._keys.character_worker(tenant), character_id)
         return raw.decode() if isinstance(raw, bytes) else str(raw or "")
 
     async def note_character_worker(self, tenant: str, character_id: str, worker: str) -> None:
         """Remember where this character last ran."""
-        await self._redis.hset(self._character_worker(tenant), character_id, worker)
+        await self._redis.hset(self._keys.character_worker(tenant), character_id, worker)
 
     async def delete_session(self, tenant: str, session_id: str) -> bool:
         """Delete a session and its conversation."""
         removed = await self._redis.delete(
-            self._session(tenant, session_id), self._turns(tenant, session_id)
+            self._keys.session(tenant, session_id), self._keys.session_turns(tenant, session_id)
         )
         return bool(removed)
 
@@ -232,7 +220,10 @@ class CharacterStore:
     ) -> bool:
         """Append a completed exchange; False if the session was deleted meanwhile."""
         done = await self._append(
-            keys=[self._session(tenant, session_id), self._turns(tenant, session_id)],
+            keys=[
+                self._keys.session(tenant, session_id),
+                self._keys.session_turns(tenant, session_id),
+            ],
             args=[
                 json.dumps({"role": "user", "content": user}),
                 json.dumps({"role": "assistant", "content": reply}),

@@ -262,7 +262,7 @@ class ChatService:
                 await self._queue.enqueue(
                     job,
                     meta.encode(),
-                    meta_ttl_ms=self._settings.log_ttl_s * 1000,
+                    meta_ttl_ms=self._settings.reply_log_ttl_s * 1000,
                     prefer=turn.prefer if turn else None,
                     prefer_ms=self._settings.affinity_wait_ms,
                 )

@@ -38,7 +38,7 @@ from cluster.errors import Disconnected
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
-from cluster.wire.replylog import LOG_FIELD, read_log
+from cluster.wire.replylog import REPLY_FIELD, read_reply_log
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +120,7 @@ class ReplyStream:
                 continue  # already delivered from the log
             if chunk.seq > self._next_seq:
                 # A chunk was lost on pub/sub: fill the gap from the log.
-                for missing in await self._inbox.read_log(self.request_id, self._next_seq):
+                for missing in await self._inbox.read_reply_log(self.request_id, self._next_seq):
                     if missing.seq == self._next_seq and missing.seq < chunk.seq:
                         self._next_seq += 1
                         yield missing
@@ -206,9 +206,9 @@ class Inbox:
         """Requests currently routed through this inbox."""
         return len(self._streams)
 
-    async def read_log(self, request_id: str, from_seq: int) -> list[Chunk]:
+    async def read_reply_log(self, request_id: str, from_seq: int) -> list[Chunk]:
         """Chunks of ``request_id`` with ``seq >= from_seq`` from its log, in order."""
-        return await read_log(self._redis, self._keys, request_id, from_seq)
+        return await read_reply_log(self._redis, self._keys, request_id, from_seq)
 
     async def _run(self) -> None:
         assert self._pubsub is not None
@@ -287,13 +287,13 @@ class Inbox:
                 # Job first, then log: a job is removed only after its final chunk is
                 # logged, so "no job" read first means the log read next is complete.
                 pipe.hexists(self._keys.jobs, stream.request_id)
-                pipe.xrevrange(self._keys.log(stream.request_id), count=1)
+                pipe.xrevrange(self._keys.reply_log(stream.request_id), count=1)
             replies = await pipe.execute()
         for i, stream in enumerate(streams):
             exists, last = replies[2 * i], replies[2 * i + 1]
-            newest = protocol.decode_as(last[0][1][LOG_FIELD], Chunk) if last else None
+            newest = protocol.decode_as(last[0][1][REPLY_FIELD], Chunk) if last else None
             if newest is not None and newest.seq >= stream._next_seq:
-                for chunk in await self.read_log(stream.request_id, stream._next_seq):
+                for chunk in await self.read_reply_log(stream.request_id, stream._next_seq):
                     stream._deliver(chunk)
             if not exists and (newest is None or not newest.is_final):
                 log.warning("request lost", request_id=stream.request_id)

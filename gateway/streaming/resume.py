@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
-from cluster.wire.replylog import LOG_FIELD
+from cluster.wire.replylog import REPLY_FIELD
 from gateway.http.errors import BadRequest, GatewayTimeout, NotFound
 from gateway.streaming.sse import DONE, ChunkFormatter, error_event
 
@@ -46,7 +46,7 @@ class RequestMeta:
 
 async def load_meta(redis: aioredis.Redis, keys: Keys, request_id: str, tenant: str) -> RequestMeta:
     """The request's metadata, or 404 when it is unknown, expired, or someone else's."""
-    raw: Any = await redis.get(keys.meta(request_id))
+    raw: Any = await redis.get(keys.request_meta(request_id))
     meta = RequestMeta.decode(raw) if raw else None
     if meta is None or meta.tenant != tenant:
         raise NotFound(f"No request with id {request_id!r}.", param="id", code="not_found")
@@ -83,12 +83,12 @@ async def replay(
         role_sent=after_seq > 0,
         event_ids=True,
     )
-    log_key = keys.log(request_id)
+    reply_log_key = keys.reply_log(request_id)
     cursor = "0-0"
     idle_ms = 0.0
     block_ms = 1000
     while True:
-        answer: Any = await redis.xread({log_key: cursor}, count=256, block=block_ms)
+        answer: Any = await redis.xread({reply_log_key: cursor}, count=256, block=block_ms)
         if not answer:
             idle_ms += block_ms
             if idle_ms >= idle_timeout_s * 1000:
@@ -99,7 +99,7 @@ async def replay(
         idle_ms = 0.0
         for entry_id, fields in answer[0][1]:
             cursor = entry_id
-            chunk = protocol.decode_as(fields[LOG_FIELD], Chunk)
+            chunk = protocol.decode_as(fields[REPLY_FIELD], Chunk)
             if chunk.seq <= after_seq:
                 continue
             yield fmt.render(chunk)

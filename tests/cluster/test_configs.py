@@ -27,8 +27,8 @@ from ray.serve._private.config import ReplicaConfig
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.errors import ConfigError
-from cluster.ops.deploy import BACKLOG_POLICY, gateway_env
 from cluster.ops.deploy import prepare_config as prepare_deploy
+from cluster.ops.serve_config import BACKLOG_POLICY, gateway_env, load_serve_config
 from cluster.runtime.settings import Settings
 from workers.deployment import WorkerArgs, graceful_shutdown_timeout_s
 from workers.scaling.backlog import BacklogConfig
@@ -271,3 +271,17 @@ def test_deploy_prints_the_matching_gateway_environment_without_secrets() -> Non
     assert env["CHARSERVE_MODEL"] == "Qwen/Qwen2.5-7B-Instruct"
     assert env["CHARSERVE_SERVED_MODEL_NAME"] == "qwen2.5-7b-instruct"
     assert env["CHARSERVE_MAX_MODEL_LEN"] == "8192"
+
+
+def test_up_and_deploy_give_workers_the_settings_a_gateway_shares() -> None:
+    settings = Settings(
+        redis_url="redis://127.0.0.1:1/0", namespace="cell-7", heartbeat_ms=250, reply_log_ttl_s=99
+    )
+    config = load_serve_config(CONFIGS / "local-cpu.yaml", settings)
+    args = WorkerArgs.model_validate(config["applications"][0]["args"])
+    assert (args.namespace, args.heartbeat_ms, args.reply_log_ttl_s) == ("cell-7", 250, 99)
+    env = gateway_env(config)
+    assert env["CHARSERVE_NAMESPACE"] == "cell-7"
+    assert env["CHARSERVE_HEARTBEAT_MS"] == "250" and env["CHARSERVE_REPLY_LOG_TTL_S"] == "99"
+    # What the file sets itself stays.
+    assert args.queue_policy == "edf" and args.batch_reserve_slots == 16

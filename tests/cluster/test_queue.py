@@ -139,7 +139,7 @@ async def test_batch_room_caps_batch_claims(redis: aioredis.Redis, keys: Keys) -
     assert (await queue.stats()).waiting == 2
     assert await queue.claim("w1", 10, lease_ms=1000, batch_room=0) == []
     await queue.ack("b0", "w1")
-    assert not await redis.sismember(keys.batch, "b0")
+    assert not await redis.sismember(keys.batch_jobs, "b0")
 
 
 async def test_fifo_batch_at_the_head_blocks_the_line(redis: aioredis.Redis, keys: Keys) -> None:

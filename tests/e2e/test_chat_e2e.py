@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
-from cluster.wire.replylog import read_log
+from cluster.wire.replylog import read_reply_log
 from tests.e2e.conftest import Stack
 from tests.polling import eventually
 
@@ -174,7 +174,7 @@ async def test_bad_inputs_are_refused_before_queueing(stack: Stack) -> None:
                 error = resp.json()["error"]
                 assert error["message"] and error["type"] == "invalid_request_error"
                 # Nothing reached a worker: no reply log exists for this request.
-                assert not await redis.exists(keys.log(resp.headers["x-request-id"]))
+                assert not await redis.exists(keys.reply_log(resp.headers["x-request-id"]))
     finally:
         await redis.aclose()
 
@@ -216,12 +216,12 @@ async def test_disconnect_aborts_the_engine_request(stack: Stack) -> None:
     keys = Keys()
 
     async def ended() -> bool:
-        chunks = await read_log(redis, keys, request_id)
+        chunks = await read_reply_log(redis, keys, request_id)
         return bool(chunks) and chunks[-1].is_final
 
     try:
         await eventually(ended, timeout_s=30)
-        final = (await read_log(redis, keys, request_id))[-1]
+        final = (await read_reply_log(redis, keys, request_id))[-1]
     finally:
         await redis.aclose()
     # The worker aborted the vLLM request: it ended as cancelled, long before 1500 tokens.

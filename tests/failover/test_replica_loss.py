@@ -18,9 +18,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.ops.stack import deploy
+from cluster.ops.ray_serve import deploy
 from cluster.wire.keys import Keys
-from cluster.wire.replylog import read_log
+from cluster.wire.replylog import read_reply_log
 from gateway.chat.prompts import PromptBuilder
 from gateway.chat.schemas import ChatCompletionRequest
 from tests.gateway.conftest import gateway_settings, serve_gateway
@@ -149,7 +149,7 @@ async def test_sigkill_of_a_replica_loses_no_request(
         # Find the replica serving the first stream, from its reply log, and kill it hard.
         async def has_chunk() -> bool:
             for request_id in await _request_ids(redis, keys):
-                if await read_log(redis, keys, request_id):
+                if await read_reply_log(redis, keys, request_id):
                     return True
             return False
 
@@ -162,18 +162,20 @@ async def test_sigkill_of_a_replica_loses_no_request(
         assert text == expected_text(prompts, content), request_id  # seamless: nothing twice
     pids: set[str] = set()
     for request_id, _, _ in results:
-        pids |= {c.worker_id.rsplit("-", 2)[1] for c in await read_log(redis, keys, request_id)}
+        pids |= {
+            c.worker_id.rsplit("-", 2)[1] for c in await read_reply_log(redis, keys, request_id)
+        }
     assert str(victim) in pids and len(pids) >= 2  # the victim served, another took over
     await redis.aclose()
 
 
 async def _request_ids(redis: aioredis.Redis, keys: Keys) -> list[str]:
-    return [k.decode().rsplit(":", 1)[1] async for k in redis.scan_iter(match=keys.log("*"))]
+    return [k.decode().rsplit(":", 1)[1] async for k in redis.scan_iter(match=keys.reply_log("*"))]
 
 
 async def _a_busy_worker_pid(redis: aioredis.Redis, keys: Keys) -> int:
     for request_id in await _request_ids(redis, keys):
-        chunks = await read_log(redis, keys, request_id)
+        chunks = await read_reply_log(redis, keys, request_id)
         if chunks and not chunks[-1].is_final:
             return int(chunks[-1].worker_id.rsplit("-", 2)[1])
     raise AssertionError("no stream in flight")

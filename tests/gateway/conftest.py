@@ -19,7 +19,8 @@ from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from gateway.app import create_app
 from tests.fakes import FakeEngine
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 
 @dataclass

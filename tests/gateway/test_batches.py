@@ -24,11 +24,12 @@ from cluster.wire.tenants import ApiKeys
 from gateway.app import create_app
 from gateway.batches.routes import install
 from gateway.batches.runner import BatchRunner, parse_input
-from gateway.batches.store import BatchConfig, BatchKeys
+from gateway.batches.store import BatchConfig
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 MODEL = "smollm2-135m-instruct"
 FAST = BatchConfig(lease_ms=1_000, poll_ms=50, retry_max_s=0.2, max_file_bytes=256 * 1024)
@@ -255,15 +256,15 @@ async def test_working_keys_are_removed_when_a_batch_finishes(
     async with stack.client() as client:
         batch = await submit(client, jsonl([line("only")]))
         await wait_status(client, batch.id, "completed")
-    bk = BatchKeys.of(stack.keys)
+    k = stack.keys
     for key in (
-        bk.input("alice", batch.id),
-        bk.results("alice", batch.id),
-        bk.leases("alice", batch.id),
-        bk.owners("alice", batch.id),
+        k.batch_input("alice", batch.id),
+        k.batch_results("alice", batch.id),
+        k.batch_leases("alice", batch.id),
+        k.batch_owners("alice", batch.id),
     ):
         assert not await redis.exists(key), key
-    assert b"alice/" + batch.id.encode() not in await redis.smembers(bk.active)
+    assert b"alice/" + batch.id.encode() not in await redis.smembers(k.batch_active)
 
 
 async def test_a_duplicate_custom_id_fails_validation(stack: Stack) -> None:
@@ -400,7 +401,7 @@ async def test_an_expired_batch_stops_and_reports_the_rest(
             batch = await submit(client, jsonl([line(f"x{i}") for i in range(3)]))
             await wait_status(client, batch.id, "in_progress")
             await engine.wait_until(lambda: engine.running >= 3)
-            key = BatchKeys.of(stack.keys).batch("alice", batch.id)
+            key = stack.keys.batch_object("alice", batch.id)
             await redis.hset(key, "expires_at", int(time.time()) - 1)
             done = await wait_status(client, batch.id, "expired")
             await engine.wait_until(lambda: engine.running == 0)

@@ -16,7 +16,8 @@ from cluster.characters.cards import card_to_png
 from cluster.wire.keys import Keys
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import Gateway, gateway_settings, serve_gateway
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 MODEL = "smollm2-135m-instruct"
 

@@ -24,7 +24,7 @@ class _LogInbox:
     def __init__(self, logged: list[Chunk]) -> None:
         self.logged = logged
 
-    async def read_log(self, request_id: str, from_seq: int) -> list[Chunk]:
+    async def read_reply_log(self, request_id: str, from_seq: int) -> list[Chunk]:
         return [c for c in self.logged if c.seq >= from_seq]
 
 

@@ -44,7 +44,8 @@ from gateway.chat.schemas import ChatCompletionChunk
 from gateway.http.openapi import ErrorBody
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 MODEL = "smollm2-135m-instruct"
 MAX_EXAMPLES = 25

@@ -21,7 +21,8 @@ from cluster.wire.keys import Keys
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 MODEL = "smollm2-135m-instruct"
 TOKENS = 40

@@ -97,11 +97,11 @@ async def test_another_tenant_cannot_read_the_log(gateway: Gateway, redis: aiore
         )
         request_id = done.headers["x-request-id"]
         keys = gateway.keys
-        meta = RequestMeta.decode(await redis.get(keys.meta(request_id)))
+        meta = RequestMeta.decode(await redis.get(keys.request_meta(request_id)))
         assert meta.tenant == "default"
         # The same request, as if another tenant had made it.
         other = RequestMeta("someone-else", meta.completion_id, meta.model, meta.created, False)
-        await redis.set(keys.meta(request_id), other.encode())
+        await redis.set(keys.request_meta(request_id), other.encode())
         resp = await http.get(f"/v1/chat/completions/chatcmpl-{request_id}/events")
     assert resp.status_code == 404  # not 403: its existence is not revealed
 
@@ -164,7 +164,7 @@ async def test_a_chunk_lost_on_pubsub_is_repaired_from_the_log(
         ]
         for chunk in chunks:
             data = protocol.encode(chunk)
-            await redis.xadd(keys.log("gappy"), {b"c": data})  # the worker always logs
+            await redis.xadd(keys.reply_log("gappy"), {b"c": data})  # the worker always logs
             if chunk.seq != 3:  # ...but chunk 3 never arrives on pub/sub
                 await redis.publish(inbox.channel, data)
         got = [c async for c in stream.chunks(5.0)]

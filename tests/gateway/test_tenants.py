@@ -13,7 +13,8 @@ from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys, Limits
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import Gateway, gateway_settings, serve_gateway
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 MODEL = "smollm2-135m-instruct"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

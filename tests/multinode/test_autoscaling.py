@@ -29,7 +29,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cluster.wire.keys import Keys
-from cluster.wire.replylog import read_log
+from cluster.wire.replylog import read_reply_log
 from gateway.chat.prompts import PromptBuilder
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.multinode.conftest import (
@@ -163,7 +163,7 @@ async def test_backlog_scales_up_and_scale_down_drains_losing_nothing(
 
         async def all_streaming() -> bool:
             for request_id in longs:
-                chunks = await read_log(redis, keys, request_id)
+                chunks = await read_reply_log(redis, keys, request_id)
                 if chunks:
                     first_worker[request_id] = chunks[0].worker_id
             return len(first_worker) == len(longs)
@@ -194,7 +194,7 @@ async def test_backlog_scales_up_and_scale_down_drains_losing_nothing(
     # The stopped replica was streaming four replies: it handed them back and the replica
     # that is left finished them.
     for request_id in kept:
-        workers = [c.worker_id for c in await read_log(redis, keys, request_id)]
+        workers = [c.worker_id for c in await read_reply_log(redis, keys, request_id)]
         assert fleet.node_of[workers[0]] == "node_b" and workers[-1] == left.worker_id
     assert await redis.zcard(keys.queue) == 0
     assert await redis.zcard(keys.leases) == 0

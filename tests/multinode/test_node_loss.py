@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from cluster.wire.keys import Keys
-from cluster.wire.replylog import read_log
+from cluster.wire.replylog import read_reply_log
 from gateway.chat.prompts import PromptBuilder
 from tests.multinode.conftest import (
     charserve_deploy,
@@ -80,7 +80,7 @@ async def test_losing_a_node_leaves_every_request_terminal(
 
         async def victim_streaming() -> bool:
             for request_id in await _logged_requests(redis, keys):
-                chunks = await read_log(redis, keys, request_id)
+                chunks = await read_reply_log(redis, keys, request_id)
                 if len(chunks) >= 5 and chunks[-1].worker_id == victim:
                     return True
             return False
@@ -89,7 +89,7 @@ async def test_losing_a_node_leaves_every_request_terminal(
         started_before_loss = set(await _logged_requests(redis, keys))
         on_victim = set()
         for request_id in started_before_loss:
-            chunks = await read_log(redis, keys, request_id)
+            chunks = await read_reply_log(redis, keys, request_id)
             if chunks and chunks[-1].worker_id == victim and not chunks[-1].is_final:
                 on_victim.add(request_id)
         assert len(started_before_loss) < len(contents)  # some still wait in the queue
@@ -104,7 +104,7 @@ async def test_losing_a_node_leaves_every_request_terminal(
         assert reply.text == expected_text(prompts, content, MAX_TOKENS), reply.request_id
     served_by: dict[str, set[str]] = {}
     for reply in replies:
-        chunks = await read_log(redis, keys, reply.request_id)
+        chunks = await read_reply_log(redis, keys, reply.request_id)
         served_by[reply.request_id] = {c.worker_id for c in chunks}
     # What the victim was streaming when its node died was finished by the survivor.
     assert on_victim and all(served_by[r] == {victim, survivor} for r in on_victim)
@@ -118,4 +118,4 @@ async def test_losing_a_node_leaves_every_request_terminal(
 
 
 async def _logged_requests(redis: aioredis.Redis, keys: Keys) -> list[str]:
-    return [k.decode().rsplit(":", 1)[1] async for k in redis.scan_iter(match=keys.log("*"))]
+    return [k.decode().rsplit(":", 1)[1] async for k in redis.scan_iter(match=keys.reply_log("*"))]

@@ -15,7 +15,8 @@ from cluster.wire.protocol import Chunk, Job, WorkerStats
 from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine, FakePushEngine
 from tests.polling import Signal, eventually
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 
 def now_ms() -> int:
@@ -107,9 +108,11 @@ async def test_reply_arrives_in_order_and_is_logged(
     assert chunks[-1].finish_reason == "length"
     assert chunks[-1].completion_tokens == 4 and chunks[-1].prompt_tokens == 2
     assert chunks[0].worker_id == consumer.worker_id
-    logged = [protocol.decode_as(f[b"c"], Chunk) for _, f in await redis.xrange(keys.log("r1"))]
+    logged = [
+        protocol.decode_as(f[b"c"], Chunk) for _, f in await redis.xrange(keys.reply_log("r1"))
+    ]
     assert logged == chunks
-    assert await redis.pttl(keys.log("r1")) > 0
+    assert await redis.pttl(keys.reply_log("r1")) > 0
 
     async def acked() -> bool:  # the ack follows the final publish
         return not await redis.hexists(keys.jobs, "r1")

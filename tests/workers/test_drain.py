@@ -4,15 +4,14 @@ passed, since the first token met it on the first replica."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import redis.asyncio as aioredis
 
 from cluster.wire.keys import Keys
 from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 FAST = ConsumerConfig(lease_ms=300, heartbeat_ms=50, drain_timeout_s=0.1)
 
@@ -30,7 +29,7 @@ async def test_a_reply_handed_back_past_its_deadline_is_continued_not_expired(
         await stopping.close()  # 0.1 s of drain is not enough: handed back
         assert not inbox.chunks["long"][-1].is_final
         engine = FakeEngine(max_slots=2)
-        other = Consumer(redis_url, keys, engine, dataclasses.replace(FAST, drain_timeout_s=5))
+        other = Consumer(redis_url, keys, engine, FAST.model_copy(update={"drain_timeout_s": 5}))
         await other.start()
         chunks = await inbox.final("long")
         await other.close()

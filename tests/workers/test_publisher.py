@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job
-from cluster.wire.replylog import read_log
+from cluster.wire.replylog import read_reply_log
 from workers.engines.vllm_engine import EngineOutput
 from workers.loop import publisher as publisher_module
 from workers.loop.publisher import Publisher, RequestStream
@@ -68,10 +68,10 @@ async def test_one_step_is_one_message_per_inbox_and_every_chunk_is_logged(
         # Two inboxes, five streams each: one message of five chunks per inbox.
         assert all(sizes == [5] for sizes in by_channel.values())
         for stream in streams:
-            (logged,) = await read_log(redis, keys, stream.job.id)
+            (logged,) = await read_reply_log(redis, keys, stream.job.id)
             assert (logged.seq, logged.text) == (1, f" {stream.job.id}")
             # The first chunk sets the log's TTL.
-            assert 0 < await redis.pttl(keys.log(stream.job.id)) <= 3_600_000
+            assert 0 < await redis.pttl(keys.reply_log(stream.job.id)) <= 3_600_000
     finally:
         await publisher.close()
         await pubsub.aclose()
@@ -105,7 +105,7 @@ async def test_a_large_step_is_split_across_calls_without_losing_order(
         for stream in streams:
             got = [c for m in messages for c in m if c.request_id == stream.job.id]
             assert [c.seq for c in got] == [1, 2] and got[-1].is_final
-            logged = await read_log(redis, keys, stream.job.id)
+            logged = await read_reply_log(redis, keys, stream.job.id)
             assert [c.text for c in logged] == [" 0", " 1"]
     finally:
         await publisher.close()
@@ -115,9 +115,9 @@ async def test_a_large_step_is_split_across_calls_without_losing_order(
 async def test_the_first_and_the_final_chunk_set_the_log_ttl(
     redis: aioredis.Redis, keys: Keys
 ) -> None:
-    publisher = Publisher(redis, keys, log_ttl_s=60)
+    publisher = Publisher(redis, keys, reply_log_ttl_s=60)
     streams = [_stream(f"r{i}", "inbox") for i in range(3)]
-    key = keys.log("r1")
+    key = keys.reply_log("r1")
     await publisher.start()
     try:
         for step, finish in enumerate([None, None, "length"]):
@@ -132,7 +132,7 @@ async def test_the_first_and_the_final_chunk_set_the_log_ttl(
                 assert await redis.pttl(key) == -1  # a middle chunk leaves the TTL alone
         assert 0 < await redis.pttl(key) <= 60_000
         for stream in streams:
-            logged = await read_log(redis, keys, stream.job.id)
+            logged = await read_reply_log(redis, keys, stream.job.id)
             assert [c.seq for c in logged] == [1, 2, 3] and logged[-1].is_final
     finally:
         await publisher.close()
@@ -157,7 +157,7 @@ async def test_chunks_of_every_size_are_logged_from_the_inbox_message(
         [message] = await _published(pubsub)
         assert [c.text for c in message] == [texts[s.job.id] for s in streams]
         for stream in streams:
-            (logged,) = await read_log(redis, keys, stream.job.id)
+            (logged,) = await read_reply_log(redis, keys, stream.job.id)
             assert logged.text == texts[stream.job.id]
     finally:
         await publisher.close()

@@ -14,7 +14,8 @@ from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 from workers.loop.publisher import Publisher, RequestStream
 
 FAST = ConsumerConfig(lease_ms=300, heartbeat_ms=50, max_attempts=3, batch_reserve_slots=2)
@@ -124,7 +125,7 @@ async def test_shutdown_hands_unfinished_work_back(
     redis_url: str, redis: aioredis.Redis, keys: Keys
 ) -> None:
     slow = FakeEngine(max_slots=2, delay_s=0.01)
-    first = Consumer(redis_url, keys, slow, dataclasses.replace(FAST, drain_timeout_s=0.1))
+    first = Consumer(redis_url, keys, slow, FAST.model_copy(update={"drain_timeout_s": 0.1}))
     await first.start()
     queue = JobQueue(redis, keys)
     async with Inbox(redis, keys.inbox("g")) as inbox:

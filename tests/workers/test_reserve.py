@@ -12,7 +12,8 @@ from cluster.wire.queue import JobQueue
 from tests.fakes import FakeEngine
 from tests.workers.test_consumer import Inbox, make_job
 from workers.loop import reserve as reserve_module
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 from workers.loop.reserve import BatchReserve
 
 

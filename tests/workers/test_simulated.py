@@ -22,7 +22,8 @@ from workers.engines.simulated import (
     simulated_token,
 )
 from workers.engines.vllm_engine import EngineOutput, run_generation
-from workers.loop.consumer import Consumer, ConsumerConfig
+from workers.loop.config import ConsumerConfig
+from workers.loop.consumer import Consumer
 
 FAST = SimulatedConfig(max_num_seqs=8, step_base_ms=1, step_ms_per_seq=0, prefill_ms_per_token=0)
 

@@ -16,7 +16,6 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
@@ -28,9 +27,10 @@ from cluster.runtime.redis_client import connect
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Cancel, Job, WorkerStats
-from cluster.wire.queue import JobQueue, Poison, QueuePolicy
+from cluster.wire.queue import JobQueue, Poison
 from workers.engines.vllm_engine import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
+from workers.loop.config import ConsumerConfig
 from workers.loop.metrics import WorkerMetrics, render_worker_metrics
 from workers.loop.pacing import StartPacer
 from workers.loop.publisher import Publisher, RequestStream
@@ -43,29 +43,6 @@ log = structlog.get_logger(__name__)
 def new_worker_id() -> str:
     """A worker id that is unique across hosts and restarts."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(frozen=True, slots=True)
-class ConsumerConfig:
-    """Knobs of a consumer."""
-
-    lease_ms: int = 5_000
-    heartbeat_ms: int = 1_000
-    publish_interval_ms: float = 0.0
-    queue_policy: QueuePolicy = "edf"
-    drain_timeout_s: float = 30.0
-    # Slots batch work may never take, so interactive work always finds one free.
-    batch_reserve_slots: int = 4
-    # Adaptive reserve (workers.loop.reserve): when below batch_reserve_slots, the reserve
-    # follows the latency-bound jobs in flight, between this and batch_reserve_slots.
-    batch_reserve_min: int | None = None
-    batch_reserve_window_s: float = 30.0
-    # A job is dead-lettered when this many workers in a row failed to finish it.
-    max_attempts: int = 3
-    # Batch jobs start at most this often (0: unpaced), so their prefills do not arrive
-    # in waves that stall interactive work (see workers.loop.pacing).
-    batch_starts_per_s: float = 8.0
-    batch_start_burst: int = 2
 
 
 class Consumer:
@@ -129,7 +106,10 @@ class Consumer:
         self._blocking = connect(self._url, blocking=True)
         self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
         self._publisher = Publisher(
-            self._redis, self._keys, interval_ms=self._config.publish_interval_ms
+            self._redis,
+            self._keys,
+            interval_ms=self._config.publish_interval_ms,
+            reply_log_ttl_s=self._config.reply_log_ttl_s,
         )
         self._recovery = Recovery(
             self._redis,

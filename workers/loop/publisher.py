@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import ChunkEncoder, Job
-from cluster.wire.replylog import LOG_FIELD
+from cluster.wire.replylog import REPLY_FIELD, REPLY_LOG_MAXLEN, REPLY_LOG_TTL_S
 from workers.engines.vllm_engine import EngineOutput
 
 log = structlog.get_logger(__name__)
@@ -101,7 +101,7 @@ class RequestStream:
     # Set when the final chunk has been written to Redis.
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # The log's key, encoded once (set by the publisher on the first chunk).
-    log_key: bytes = b""
+    reply_log_key: bytes = b""
 
     @property
     def finished(self) -> bool:
@@ -168,14 +168,14 @@ class Publisher:
         keys: Keys,
         *,
         interval_ms: float = 0.0,
-        log_ttl_s: int = 3600,
-        log_maxlen: int = 10_000,
+        reply_log_ttl_s: int = REPLY_LOG_TTL_S,
+        reply_log_maxlen: int = REPLY_LOG_MAXLEN,
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._interval_s = interval_ms / 1000.0
-        self._log_ttl_ms = log_ttl_s * 1000
-        self._log_maxlen = log_maxlen
+        self._reply_log_ttl_ms = reply_log_ttl_s * 1000
+        self._reply_log_maxlen = reply_log_maxlen
         self._script = redis.register_script(_PUBLISH)
         self._dirty: dict[str, RequestStream] = {}
         self._unsent: list[Outgoing] = []
@@ -265,8 +265,8 @@ class Publisher:
                 del self._dirty[stream.job.id]
         for stream in due:
             stream.last_sent_s = now_s
-            if not stream.log_key:
-                stream.log_key = self._keys.log(stream.job.id).encode()
+            if not stream.reply_log_key:
+                stream.reply_log_key = self._keys.reply_log(stream.job.id).encode()
             first = stream.seq == 0
             data = stream.take(self._encoder, sent_ms)
             batch.append(Outgoing(stream, data, first, stream.finished))
@@ -309,14 +309,14 @@ class Publisher:
         keys: list[bytes] = []
         expiring: list[int] = []
         args: list[bytes | str | int] = [
-            self._log_maxlen,
-            self._log_ttl_ms,
-            LOG_FIELD,
+            self._reply_log_maxlen,
+            self._reply_log_ttl_ms,
+            REPLY_FIELD,
             len(inboxes),
         ]
         for channel, outs in inboxes.items():
             for out in outs:
-                keys.append(out.stream.log_key)
+                keys.append(out.stream.reply_log_key)
                 if out.first or out.final:
                     expiring.append(len(keys))
             args.append(channel)

@@ -20,7 +20,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import JobQueue, Poison
-from cluster.wire.replylog import read_log
+from cluster.wire.replylog import read_reply_log
 from workers.loop.publisher import Publisher, RequestStream
 
 log = structlog.get_logger(__name__)
@@ -62,7 +62,7 @@ class Recovery:
 
     async def recover(self, job: Job, *, count_attempt: bool = True) -> Outcome:
         """Decide and carry out what happens to an orphaned (or handed-back) job."""
-        delivered = await read_log(self._redis, self._keys, job.id)
+        delivered = await read_reply_log(self._redis, self._keys, job.id)
         if delivered and delivered[-1].is_final:
             await self._queue.ack(job.id, self._worker_id)
             return "finished"
