@@ -38,8 +38,10 @@ from typing import Any
 
 import httpx
 
-from cluster.backfill.driver import Options, backfill, parse_spec, plan_dialogue
-from cluster.bench.load import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
+from cluster.backfill.driver import Options, backfill
+from cluster.backfill.plan import parse_spec, plan_dialogue
+from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
+from cluster.bench.samples import Sample, percentile
 from cluster.ops.stack import wait_ready
 from cluster.runtime.ports import free_port
 

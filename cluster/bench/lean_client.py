@@ -21,7 +21,7 @@ from time import perf_counter
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.bench.load import Sample, StreamTimer
+from cluster.bench.samples import Sample, StreamTimer
 from cluster.errors import CharserveError
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import httpx
 
-from cluster.bench.load import USER_PROMPTS, Sample, one_request, percentile, poisson_stream
+from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
+from cluster.bench.samples import Sample, percentile
 
 
 async def _phase(

@@ -27,7 +27,8 @@ import httpx
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.bench.load import USER_PROMPTS, Sample, one_request, percentile
+from cluster.bench.load import USER_PROMPTS, one_request
+from cluster.bench.samples import Sample, percentile
 
 _TRAITS = [
     "keeps a brass compass from a mother who vanished at sea",

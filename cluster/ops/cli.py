@@ -22,6 +22,7 @@ from types import FrameType
 
 import structlog
 
+from cluster.ops import keys_command
 from cluster.runtime.logs import configure_logging
 from cluster.runtime.settings import Settings
 
@@ -89,67 +90,6 @@ def cmd_prepare_model(settings: Settings) -> int:
     return 0
 
 
-def _add_keys_arguments(keys: argparse.ArgumentParser) -> None:
-    sub = keys.add_subparsers(dest="keys_command", required=True)
-    create = sub.add_parser("create", help="create a key for a tenant and print it once")
-    create.add_argument("--tenant", required=True)
-    create.add_argument("--name", default="", help="a label for operators")
-    sub.add_parser("list", help="list keys (ids and tenants, never the keys)")
-    revoke = sub.add_parser("revoke", help="revoke a key by id")
-    revoke.add_argument("id")
-    limits = sub.add_parser("limits", help="set a tenant's requests/tokens per minute")
-    limits.add_argument("--tenant", required=True)
-    limits.add_argument("--rpm", type=int, default=0, help="requests per minute (0: none)")
-    limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: none)")
-
-
-def cmd_keys(settings: Settings, args: argparse.Namespace) -> int:
-    """Manage API keys in the Redis the gateways use."""
-    import asyncio
-    import json
-
-    from cluster.ops.stack import admin_redis_url
-    from cluster.runtime.redis_client import connect
-    from cluster.wire.keys import Keys
-    from cluster.wire.tenants import ApiKeys, Limits
-
-    async def run() -> int:
-        redis = connect(admin_redis_url(settings), max_connections=4)
-        api_keys = ApiKeys(redis, Keys(settings.namespace))
-        try:
-            if args.keys_command == "create":
-                key, record = await api_keys.create(args.tenant, args.name)
-                sys.stderr.write(f"key {record.id} for tenant {record.tenant}; shown once:\n")
-                print(key)
-            elif args.keys_command == "list":
-                for record in await api_keys.list():
-                    print(
-                        json.dumps(
-                            {
-                                "id": record.id,
-                                "tenant": record.tenant,
-                                "name": record.name,
-                                "created": record.created,
-                            }
-                        )
-                    )
-            elif args.keys_command == "revoke":
-                if not await api_keys.revoke(args.id):
-                    sys.stderr.write(f"no key with id {args.id}\n")
-                    return 1
-            else:
-                await api_keys.set_limits(args.tenant, Limits(args.rpm, args.tpm))
-            return 0
-        finally:
-            await redis.aclose()
-
-    try:
-        return asyncio.run(run())
-    except (ValueError, RuntimeError) as exc:
-        sys.stderr.write(f"charserve keys: {exc}\n")
-        return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``charserve`` console script."""
     parser = argparse.ArgumentParser(prog="charserve", description=__doc__.splitlines()[0])
@@ -161,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     deploy.add_argument("--config", required=True, help="Serve config (ray-configs/*.yaml)")
     deploy.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS)")
     deploy.add_argument("--timeout-s", type=float, default=900.0, help="wait for RUNNING (s)")
-    _add_keys_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
+    keys_command.add_arguments(sub.add_parser("keys", help="API keys and per-tenant limits"))
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
-    from cluster.backfill import driver as backfill
+    from cluster.backfill import cli as backfill
     from cluster.bench import backfill as bench_backfill
     from cluster.bench import mixed as bench_mixed
     from cluster.bench import sessions as bench_sessions
@@ -199,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return deploy_cmd.run(args.config, args.address, args.timeout_s, settings)
     if args.command == "keys":
-        return cmd_keys(settings, args)
+        return keys_command.run(settings, args)
     if args.command == "bench-mixed":
         return bench_mixed.run(args)
     if args.command == "bench-sessions":

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.bench import lean_client as sse_client
 from cluster.bench.lean_client import ProtocolViolation, _StreamProtocol
-from cluster.bench.load import Sample
+from cluster.bench.samples import Sample
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 

@@ -11,14 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.backfill.driver import (
-    Options,
-    Plan,
-    backfill,
-    parse_spec,
-    plan_dialogue,
-    prompt_for,
-)
+from cluster.backfill.driver import Options, backfill
+from cluster.backfill.plan import Plan, parse_spec, plan_dialogue, prompt_for
 from tests.gateway.conftest import Gateway
 
 CARD = {
@@ -243,7 +237,7 @@ async def test_a_conversation_longer_than_the_window_keeps_going_with_recent_tur
 
 @pytest.mark.parametrize("raw", ['{"id": "x", "character_id": "c", "turns": 0}', "[1, 2]"])
 def test_parse_spec_refuses_bad_lines(raw: str) -> None:
-    from cluster.backfill.driver import LineError
+    from cluster.backfill.plan import LineError
 
     with pytest.raises(LineError):
         parse_spec(raw, 1)

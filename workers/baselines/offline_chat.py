@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.backfill.driver import (
+from cluster.backfill.plan import (
     Message,
     Plan,
     finished,
