@@ -1,7 +1,11 @@
-"""Typed settings for every charserve process (environment prefix ``CHARSERVE_``).
+"""Typed settings of the gateway and the ``charserve`` command (environment prefix
+``CHARSERVE_``).
 
 Settings are built once in each process's entry point (``Settings()``) and passed down;
-nothing reads the environment at import time, so tests can build their own.
+nothing reads the environment at import time, so tests can build their own. Workers are
+the other kind of process: their settings are the Serve application's args
+(:class:`workers.deployment.WorkerArgs`), into which ``charserve up`` and ``charserve
+deploy`` copy the few values both sides must share (:mod:`cluster.ops.serve_config`).
 """
 
 from __future__ import annotations
@@ -12,9 +16,6 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.wire.replylog import REPLY_LOG_TTL_S
-
-PriorityClass = Literal["interactive", "standard", "batch"]
-
 
 class Settings(BaseSettings):
     """Everything an operator can set. Field names map to ``CHARSERVE_<NAME>``."""
@@ -118,6 +119,35 @@ class Settings(BaseSettings):
         ),
         description="How long a reply can be resumed (its log lives).",
     )
+    # The Batch API (gateway.batches).
+    batch_lease_ms: int = Field(
+        default=15_000,
+        ge=100,
+        description="A running batch line's lease; a gateway that dies loses its lines "
+        "this long after its last renewal, and another gateway takes them over.",
+    )
+    batch_max_in_flight: int = Field(
+        default=64, ge=1, description="Lines of one batch in the queue at once, all gateways."
+    )
+    batch_max_in_flight_per_gateway: int = Field(
+        default=128, ge=1, description="Lines one gateway process runs at once, all batches."
+    )
+    batch_poll_ms: int = Field(
+        default=1_000, ge=10, description="How often batch runners look for work."
+    )
+    batch_max_file_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest uploaded file (the gateway's body bound applies too).",
+    )
+    batch_max_lines: int = Field(default=50_000, ge=1, description="Most requests in one batch.")
+    batch_max_attempts: int = Field(
+        default=3, ge=1, description="Runs of a line that fail unexpectedly before it fails."
+    )
+    batch_retry_max_s: float = Field(
+        default=30.0, gt=0, description="Longest wait before retrying a refused batch line."
+    )
+
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="auto: pretty on a TTY, JSON otherwise."
     )

@@ -51,8 +51,8 @@ from redis.exceptions import RedisError
 from cluster.runtime.clock import now_ms
 from cluster.runtime.settings import Settings
 from cluster.wire.queue import JobQueue
-from gateway.batches.store import ENDPOINT, BatchConfig, BatchState, BatchStore
-from gateway.chat.admission import admit
+from gateway.batches.store import ENDPOINT, BatchState, BatchStore
+from gateway.chat.admission import classify
 from gateway.chat.schemas import ChatCompletionRequest
 from gateway.chat.service import ChatService
 from gateway.http.errors import APIError, BadRequest
@@ -246,13 +246,11 @@ class BatchRunner:
         chat: ChatService,
         queue: JobQueue,
         settings: Settings,
-        config: BatchConfig,
     ) -> None:
         self._store = store
         self._chat = chat
         self._queue = queue
         self._settings = settings
-        self._config = config
         self._inputs: dict[tuple[str, str], ParsedInput] = {}
         self._running: dict[tuple[str, str], dict[int, _Running]] = {}
         self._wake = asyncio.Event()
@@ -303,16 +301,18 @@ class BatchRunner:
             except Exception:
                 log.exception("batch poll failed")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._config.poll_ms / 1000)
+                await asyncio.wait_for(self._wake.wait(), self._settings.batch_poll_ms / 1000)
 
     async def _renew_loop(self) -> None:
-        period_s = self._config.lease_ms / 3000
+        period_s = self._settings.batch_lease_ms / 3000
         while not self._closing:
             await asyncio.sleep(period_s)
             for (tenant, batch_id), lines in list(self._running.items()):
                 owned = {i: r.job_id for i, r in lines.items()}
                 try:
-                    lost = await self._store.renew(tenant, batch_id, owned, self._config.lease_ms)
+                    lost = await self._store.renew(
+                        tenant, batch_id, owned, self._settings.batch_lease_ms
+                    )
                 except RedisError as exc:
                     log.warning("batch lease renewal failed", error=str(exc))
                     continue
@@ -372,7 +372,7 @@ class BatchRunner:
             data = await self._store.input(*ref)
             if data is None:
                 return None
-            parsed = await asyncio.to_thread(parse_input, data, self._config.max_lines)
+            parsed = await asyncio.to_thread(parse_input, data, self._settings.batch_max_lines)
             self._inputs[ref] = parsed
         return parsed
 
@@ -419,14 +419,18 @@ class BatchRunner:
 
     async def _claim(self, state: BatchState) -> None:
         ref = (state.tenant, state.id)
-        room = self._config.max_in_flight_per_gateway - self.in_flight
+        room = self._settings.batch_max_in_flight_per_gateway - self.in_flight
         if room <= 0 or self._closing:
             return
         parsed = await self._parsed(state)
         if parsed is None:
             return
         claims = await self._store.claim(
-            state.tenant, state.id, room, self._config.max_in_flight, self._config.lease_ms
+            state.tenant,
+            state.id,
+            room,
+            self._settings.batch_max_in_flight,
+            self._settings.batch_lease_ms,
         )
         lines = self._running.setdefault(ref, {})
         for claim in claims:
@@ -503,19 +507,21 @@ class BatchRunner:
                     transient += 1
                 else:
                     failures += 1
-                    if failures >= self._config.max_attempts:
+                    if failures >= self._settings.batch_max_attempts:
                         return api_error_line(line, job_id, exc), "failed"
-                delay_s = _retry_after_s(exc, transient + failures, self._config.retry_max_s)
+                delay_s = _retry_after_s(
+                    exc, transient + failures, self._settings.batch_retry_max_s
+                )
             except RedisError as exc:
                 log.warning("batch line: Redis error", batch_id=state.id, error=str(exc))
                 transient += 1
-                delay_s = min(self._config.retry_max_s, 0.5 * transient)
+                delay_s = min(self._settings.batch_retry_max_s, 0.5 * transient)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.exception("batch line failed", batch_id=state.id, line=line.line_no)
                 failures += 1
-                if failures >= self._config.max_attempts:
+                if failures >= self._settings.batch_max_attempts:
                     return error_line(
                         line, "internal_error", f"the request failed: {exc}"
                     ), "failed"
@@ -540,7 +546,7 @@ class BatchRunner:
         now = now_ms()
         budget_ms = max(1, state.expires_at * 1000 - now)
         # The deadline is the batch's expiry: EDF runs older batches' lines first.
-        admission = admit(self._settings, now, "batch", str(budget_ms))
+        admission = classify(self._settings, now, "batch", str(budget_ms))
         response = await self._chat.complete(
             request, job_id, admission, state.tenant, _never_disconnects, resumable=False
         )

@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import redis.asyncio as aioredis
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
@@ -59,38 +57,6 @@ _TIMESTAMPS = (
     "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
     "cancelling_at", "cancelled_at",
 )  # fmt: skip
-
-
-class BatchConfig(BaseSettings):
-    """Batch knobs (environment prefix ``CHARSERVE_BATCH_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="CHARSERVE_BATCH_", extra="ignore")
-
-    lease_ms: int = Field(
-        default=15_000,
-        ge=100,
-        description="A running line's lease; a gateway that dies loses its lines this long "
-        "after its last renewal, and another gateway takes them over.",
-    )
-    max_in_flight: int = Field(
-        default=64, ge=1, description="Lines of one batch in the queue at once, all gateways."
-    )
-    max_in_flight_per_gateway: int = Field(
-        default=128, ge=1, description="Lines one gateway process runs at once, all batches."
-    )
-    poll_ms: int = Field(default=1_000, ge=10, description="How often runners look for work.")
-    max_file_bytes: int = Field(
-        default=64 * 1024 * 1024,
-        ge=1024,
-        description="Largest uploaded file (the gateway's body bound applies too).",
-    )
-    max_lines: int = Field(default=50_000, ge=1, description="Most requests in one batch.")
-    max_attempts: int = Field(
-        default=3, ge=1, description="Runs of a line that fail unexpectedly before it fails."
-    )
-    retry_max_s: float = Field(
-        default=30.0, gt=0, description="Longest wait before retrying a refused line."
-    )
 
 
 def new_file_id() -> str:

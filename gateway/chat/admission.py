@@ -38,7 +38,7 @@ class Admission:
 MAX_BUDGET_MS = 365 * 86_400_000
 
 
-def admit(
+def classify(
     settings: Settings, arrival_ms: int, priority: str | None, budget: str | None
 ) -> Admission:
     """Decide class and deadline from the request headers; 400 on a bad header."""
@@ -121,8 +121,8 @@ class Admitter:
         """Free slots of each live worker, from the latest snapshot."""
         return self._view.current.free_by_worker
 
-    async def check(self, job: Job) -> None:
-        """Raise the client-facing error when ``job`` should not be queued."""
+    async def admit(self, job: Job) -> None:
+        """Admit ``job`` or raise the client-facing refusal (and count the decision)."""
         capacity = self._view.current
         for step in (self._queue_bound, self._workers_present):
             rejection = step(job, capacity)

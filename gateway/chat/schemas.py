@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.http.openapi import ERROR_RESPONSES, error_responses
+from gateway.http.openapi import ERROR_RESPONSES, error_responses, ok
 
 
 class TextPart(BaseModel):
@@ -281,85 +281,6 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class CharacterSummary(BaseModel):
-    """A character in a listing."""
-
-    id: str
-    object: Literal["character"]
-    created: int
-    name: str
-    spec: Literal["chara_card_v1", "chara_card_v2", "chara_card_v3"]
-
-
-class CharacterBody(CharacterSummary):
-    """A character with its card document exactly as imported."""
-
-    card: dict[str, Any]
-
-
-class CharacterList(BaseModel):
-    """``GET /v1/characters``."""
-
-    object: Literal["list"]
-    data: list[CharacterSummary]
-
-
-class SessionMessage(BaseModel):
-    """One turn of a session."""
-
-    role: Literal["user", "assistant"]
-    content: str
-
-
-class SessionBody(BaseModel):
-    """A session and its conversation."""
-
-    id: str
-    object: Literal["session"]
-    created: int
-    character_id: str
-    user_name: str
-    messages: list[SessionMessage]
-
-
-class SessionCreated(SessionBody):
-    """A new session, with the greeting it opened with."""
-
-    greeting: str
-
-
-class Deleted(BaseModel):
-    """A deleted character or session."""
-
-    id: str
-    object: Literal["character.deleted", "session.deleted"]
-    deleted: Literal[True]
-
-
-class Health(BaseModel):
-    """``GET /health``."""
-
-    status: Literal["ok"]
-
-
-class Ready(BaseModel):
-    """``GET /ready`` when ready."""
-
-    status: Literal["ready"]
-    workers: int
-
-
-class NotReady(BaseModel):
-    """``GET /ready`` when not ready, and why."""
-
-    status: Literal["unavailable"]
-    reason: Literal["redis", "inbox", "no_workers"]
-
-
-def _ok(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
-    return {200: {"model": model, "description": description}}
-
-
 # ``responses=`` of each route. Errors every route can meet at the edge (401, 413, 500,
 # 503) are added by gateway.http.errors.document_errors.
 CHAT_COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -378,25 +299,7 @@ CHAT_EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     **error_responses(400, 404),
 }
-MODELS_RESPONSES = _ok(ModelList, "The served model.")
-HEALTH_RESPONSES = _ok(Health, "The process answers.")
-READY_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **_ok(Ready, "Redis answers, the inbox is subscribed and a worker is claiming."),
-    503: {"model": NotReady, "description": "Not ready, and why."},
-}
-CHARACTER_CREATE_RESPONSES = {**_ok(CharacterBody, "The new character."), **error_responses(400)}
-CHARACTER_LIST_RESPONSES = _ok(CharacterList, "The tenant's characters, oldest first.")
-CHARACTER_RESPONSES = {**_ok(CharacterBody, "The character."), **error_responses(404)}
-CHARACTER_DELETE_RESPONSES = {**_ok(Deleted, "Deleted."), **error_responses(404)}
-SESSION_CREATE_RESPONSES = {
-    **_ok(SessionCreated, "The new session, opened with the greeting."),
-    **error_responses(400, 404),
-}
-SESSION_RESPONSES = {
-    **_ok(SessionBody, "The session and its conversation."),
-    **error_responses(404),
-}
-SESSION_DELETE_RESPONSES = {**_ok(Deleted, "Deleted."), **error_responses(404)}
+MODELS_RESPONSES = ok(ModelList, "The served model.")
 
 
 def _header(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -444,22 +347,4 @@ CHAT_EVENTS_EXTRA: dict[str, Any] = {
             {"type": "string", "pattern": "^[0-9]*$"},
         )
     ]
-}
-CHARACTER_CREATE_EXTRA: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "description": "A Character Card V1, V2 or V3: JSON, a PNG with a chara or ccv3 "
-        "tEXt chunk, or a multipart form whose file is either.",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "image/png": {"schema": {"type": "string", "format": "binary"}},
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {"file": {"type": "string", "format": "binary"}},
-                }
-            },
-        },
-    }
 }

@@ -27,7 +27,7 @@ from cluster.runtime.settings import Settings
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import JobQueue
 from cluster.wire.vocabulary import Outcome
-from gateway.characters.store import PersonaChat, PersonaTurn
+from gateway.characters.persona_chat import PersonaChat, PersonaTurn
 from gateway.chat.admission import Admission, Admitter
 from gateway.chat.prompts import PromptBuilder
 from gateway.chat.schemas import ChatCompletionRequest
@@ -243,7 +243,7 @@ class ChatService:
             tenant=tenant,
         )
         try:
-            await self._admitter.check(job)
+            await self._admitter.admit(job)
         except RedisError as exc:
             raise _queue_unavailable() from exc
         tracker = _Tracker(self._metrics, request_id, tenant, job, request.stream)

@@ -74,6 +74,11 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
 }
 
 
+def ok(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` documentation of a 200 answered with ``model``."""
+    return {200: {"model": model, "description": description}}
+
+
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` documentation of these error statuses, each an OpenAI error body."""
     out: dict[int | str, dict[str, Any]] = {}

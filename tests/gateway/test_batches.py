@@ -22,9 +22,7 @@ from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys
 from gateway.app import create_app
-from gateway.batches.routes import install
 from gateway.batches.runner import BatchRunner, parse_input
-from gateway.batches.store import BatchConfig
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
@@ -32,7 +30,13 @@ from workers.loop.config import ConsumerConfig
 from workers.loop.consumer import Consumer
 
 MODEL = "smollm2-135m-instruct"
-FAST = BatchConfig(lease_ms=1_000, poll_ms=50, retry_max_s=0.2, max_file_bytes=256 * 1024)
+# Batch settings that make the tests quick.
+FAST = {
+    "batch_lease_ms": 1_000,
+    "batch_poll_ms": 50,
+    "batch_retry_max_s": 0.2,
+    "batch_max_file_bytes": 256 * 1024,
+}
 
 
 def expected(n: int) -> str:
@@ -58,11 +62,11 @@ def jsonl(lines: list[str]) -> bytes:
 
 @asynccontextmanager
 async def batch_gateway(
-    settings: Settings, config: BatchConfig = FAST
+    settings: Settings, **batch: object
 ) -> AsyncIterator[tuple[str, FastAPI]]:
-    """A gateway with the Batch API installed, served by real uvicorn."""
-    app = create_app(settings)
-    install(app, settings, Keys(settings.namespace), config)
+    """A gateway with quick batch settings (``FAST``, updated by ``batch``), served by real
+    uvicorn."""
+    app = create_app(settings.model_copy(update={**FAST, **batch}))
     async with serve_gateway(settings, app) as base_url:
         yield base_url, app
 
@@ -102,7 +106,7 @@ class Stack:
 
     @property
     def runner(self) -> BatchRunner:
-        return self.app.state.batch_runner  # type: ignore[no-any-return]
+        return self.app.state.services.batch_runner  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +295,7 @@ async def test_bad_uploads_and_batch_parameters_are_refused(stack: Stack) -> Non
         assert not_multipart.status_code == 400
         too_big = await http.post(
             "/v1/files",
-            files={"file": ("x.jsonl", b"x" * (FAST.max_file_bytes + 1))},
+            files={"file": ("x.jsonl", b"x" * (int(FAST["batch_max_file_bytes"]) + 1))},
             data={"purpose": "batch"},
         )
         assert too_big.status_code == 413
@@ -452,13 +456,15 @@ async def test_queue_full_refusals_are_retried_not_failed(redis_url: str, model_
     settings = gateway_settings(redis_url, model_path, max_queued=2)
     keys = Keys(settings.namespace)
     engine = FakeEngine(max_slots=1, delay_s=0.03)
-    config = FAST.model_copy(update={"max_in_flight": 8})
-    async with backend(redis_url, keys, engine), batch_gateway(settings, config) as (url, app):
+    async with (
+        backend(redis_url, keys, engine),
+        batch_gateway(settings, batch_max_in_flight=8) as (url, app),
+    ):
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
             batch = await submit(client, jsonl([line(f"q{i}", max_tokens=3) for i in range(16)]))
             done = await wait_status(client, batch.id, "completed", timeout_s=60)
             output = await read_jsonl(client, done.output_file_id)
-        metrics = app.state.metrics
+        metrics = app.state.services.metrics
     assert done.request_counts.completed == 16 and done.request_counts.failed == 0
     assert [o["custom_id"] for o in output] == [f"q{i}" for i in range(16)]
     # Some tries really were refused with queue_full (and retried).
@@ -506,11 +512,11 @@ async def test_two_gateways_share_a_batch_and_run_each_line_once(
     two = one.model_copy(update={"port": free_port()})
     keys = Keys(one.namespace)
     engine = FakeEngine(max_slots=8, delay_s=0.02)
-    config = FAST.model_copy(update={"max_in_flight": 6, "max_in_flight_per_gateway": 3})
+    config = {"batch_max_in_flight": 6, "batch_max_in_flight_per_gateway": 3}
     async with (
         backend(redis_url, keys, engine),
-        batch_gateway(one, config) as (url, _),
-        batch_gateway(two, config),
+        batch_gateway(one, **config) as (url, _),
+        batch_gateway(two, **config),
     ):
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x") as client:
             batch = await submit(client, jsonl([line(f"s{i}", max_tokens=3) for i in range(20)]))

@@ -1,0 +1,94 @@
+"""``POST /v1/chat/completions``, the resume route of its streams, and ``/v1/models``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from cluster.runtime.clock import now_ms
+from gateway.chat.admission import classify
+from gateway.chat.schemas import (
+    CHAT_COMPLETION_EXTRA,
+    CHAT_COMPLETION_RESPONSES,
+    CHAT_EVENTS_EXTRA,
+    CHAT_EVENTS_RESPONSES,
+    MODELS_RESPONSES,
+    ChatCompletionRequest,
+)
+from gateway.http.context import flag, request_id, tenant
+from gateway.services import services
+from gateway.streaming.resume import load_meta, parse_last_event_id, replay
+from gateway.streaming.socket_writer import RAW_SEND
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def router() -> APIRouter:
+    """The chat routes."""
+    api = APIRouter()
+
+    @api.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=CHAT_COMPLETION_RESPONSES,
+        openapi_extra=CHAT_COMPLETION_EXTRA,
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI Chat Completions, streaming (SSE) or not."""
+        s = services(request)
+        admission = classify(
+            s.settings,
+            now_ms(),
+            request.headers.get("x-priority"),
+            request.headers.get("x-latency-budget-ms"),
+        )
+        return await s.chat.complete(
+            body,
+            request_id(request),
+            admission,
+            tenant(request),
+            request.receive,
+            flag(request, "x-resumable"),
+            request.scope.get(RAW_SEND),
+            event_ids=flag(request, "x-event-ids"),
+        )
+
+    @api.get(
+        "/v1/chat/completions/{completion_id}/events",
+        response_model=None,
+        response_class=StreamingResponse,
+        responses=CHAT_EVENTS_RESPONSES,
+        openapi_extra=CHAT_EVENTS_EXTRA,
+    )
+    async def chat_completion_events(completion_id: str, request: Request) -> Response:
+        """Resume a streamed reply: the events after ``Last-Event-ID``, then live."""
+        s = services(request)
+        job_id = completion_id.removeprefix("chatcmpl-")
+        after = parse_last_event_id(request.headers.get("last-event-id"))
+        meta = await load_meta(s.redis, s.keys, job_id, tenant(request))
+        return StreamingResponse(
+            replay(s.redis, s.keys, job_id, meta, after, s.settings.request_timeout_s),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+
+    @api.get("/v1/models", responses=MODELS_RESPONSES)
+    async def models(request: Request) -> dict[str, Any]:
+        """The served model, as OpenAI lists models."""
+        settings = services(request).settings
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "charserve",
+                    "max_model_len": settings.max_model_len,
+                }
+            ],
+        }
+
+    return api

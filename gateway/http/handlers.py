@@ -1,0 +1,69 @@
+"""The exception handlers: every error a route raises, FastAPI's validation errors and
+Starlette's HTTP errors included, leaves as an OpenAI error body with ``x-request-id``."""
+
+from __future__ import annotations
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.http.context import request_id
+from gateway.http.errors import APIError, BadRequest, error_response
+
+log = structlog.get_logger(__name__)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """A 400 naming the first field at fault (FastAPI would answer 422)."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return BadRequest(
+            f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json"
+        )
+    if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
+        return BadRequest("the body must be a JSON object", code="invalid_json")
+    param = ".".join(loc) or (first.get("ctx") or {}).get("param") or None
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return BadRequest(message, param=param, code="invalid_value")
+
+
+def http_error(exc: StarletteHTTPException) -> APIError:
+    """Starlette's own 404, 405 and body errors as API errors."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    if code is None and exc.status_code < 500:
+        code = "invalid_request"  # e.g. a body FastAPI cannot parse, a bad multipart form
+    # exc.headers: e.g. the Allow header a 405 must carry.
+    error = APIError(str(exc.detail), code=code, headers=dict(exc.headers or {}))
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers on ``app``."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request_id(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request_id(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(http_error(exc), request_id(request))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", request_id=request_id(request))
+        return error_response(APIError("internal error"), request_id(request))
