@@ -40,7 +40,6 @@ import json
 import random
 import time
 import uuid
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +53,7 @@ from cluster.wire.queue import JobQueue
 from gateway.batches.store import ENDPOINT, BatchState, BatchStore
 from gateway.chat.admission import classify
 from gateway.chat.schemas import ChatCompletionRequest
-from gateway.chat.service import ChatService
+from gateway.chat.service import ChatContext, ChatService
 from gateway.http.errors import APIError, BadRequest
 
 log = structlog.get_logger(__name__)
@@ -221,12 +220,6 @@ def _validation_message(exc: ValidationError) -> str:
     loc = ".".join(str(p) for p in errors[0]["loc"])
     text = errors[0]["msg"]
     return f"{loc}: {text}" if loc else text
-
-
-async def _never_disconnects() -> MutableMapping[str, Any]:
-    """The ASGI ``receive`` of a batch line: its 'client' never goes away."""
-    await asyncio.Event().wait()
-    raise AssertionError("unreachable")
 
 
 @dataclass(slots=True)
@@ -547,9 +540,7 @@ class BatchRunner:
         budget_ms = max(1, state.expires_at * 1000 - now)
         # The deadline is the batch's expiry: EDF runs older batches' lines first.
         admission = classify(self._settings, now, "batch", str(budget_ms))
-        response = await self._chat.complete(
-            request, job_id, admission, state.tenant, _never_disconnects, resumable=False
-        )
+        response = await self._chat.complete(request, ChatContext(job_id, state.tenant, admission))
         body = json.loads(bytes(response.body))
         return output_line(line, job_id, body)
 

@@ -17,6 +17,7 @@ from gateway.chat.schemas import (
     MODELS_RESPONSES,
     ChatCompletionRequest,
 )
+from gateway.chat.service import ChatContext
 from gateway.http.context import flag, request_id, tenant
 from gateway.services import services
 from gateway.streaming.resume import load_meta, parse_last_event_id, replay
@@ -44,16 +45,16 @@ def router() -> APIRouter:
             request.headers.get("x-priority"),
             request.headers.get("x-latency-budget-ms"),
         )
-        return await s.chat.complete(
-            body,
+        ctx = ChatContext(
             request_id(request),
-            admission,
             tenant(request),
-            request.receive,
-            flag(request, "x-resumable"),
-            request.scope.get(RAW_SEND),
+            admission,
+            receive=request.receive,
+            resumable=flag(request, "x-resumable"),
             event_ids=flag(request, "x-event-ids"),
+            raw_send=request.scope.get(RAW_SEND),
         )
+        return await s.chat.complete(body, ctx)
 
     @api.get(
         "/v1/chat/completions/{completion_id}/events",

@@ -1,0 +1,315 @@
+"""One chat request from the moment it is queued to its last byte.
+
+A :class:`ChatCall` owns everything a request holds while its reply is on its way: the
+reply stream registered with the inbox, the metrics timer with the one summary log line,
+and the right to cancel the job. Every way a request can end (its final chunk, an error,
+a timeout, a slow reader, a client that left) goes through :meth:`ChatCall.end`, once: it
+records the outcome, releases the reply stream, and cancels the job if the reply may still
+be running and nobody will read it (a resumable request keeps running for its client to
+come back).
+
+A streamed reply hands the call to its response (:meth:`ChatCall.stream`), which ends it
+when the body ends, or when the body never starts because the client left first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import structlog
+from fastapi.responses import StreamingResponse
+from redis.exceptions import RedisError
+from starlette.types import Receive as ASGIReceive
+from starlette.types import Scope, Send
+
+from cluster.errors import Disconnected
+from cluster.wire.protocol import Chunk, Job
+from cluster.wire.queue import JobQueue
+from cluster.wire.vocabulary import DropReason, ErrorCode, Outcome
+from gateway.http.errors import GatewayTimeout, ServiceUnavailable, SlowClient, from_worker
+from gateway.metrics import GatewayMetrics
+from gateway.streaming.relay import Inbox, SlowConsumer
+from gateway.streaming.resume import RequestMeta
+from gateway.streaming.socket_writer import ConnectionWriter
+from gateway.streaming.sse import DONE, ChunkFormatter, error_event
+
+log = structlog.get_logger(__name__)
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+# Called with the whole text and the final chunk once a reply completed, before its last
+# event is written (a session records the turn, so the client's next turn sees it).
+OnComplete = Callable[[str, Chunk], Awaitable[None]]
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Disconnected):
+    """The client disconnected before the reply started."""
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
+    """Await ``awaitable`` unless the client disconnects first (then raise ClientGone)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise ClientGone
+
+
+def queue_unavailable() -> ServiceUnavailable:
+    """Redis did not answer: the client should retry shortly (nothing was queued)."""
+    return ServiceUnavailable("the queue is unavailable", headers={"Retry-After": "1"})
+
+
+class Canceller:
+    """Sends cancels in the background: a call ends inside ``finally`` blocks and cancelled
+    scopes, where nothing may be awaited."""
+
+    def __init__(self, queue: JobQueue) -> None:
+        self._queue = queue
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        """Dequeue the job, or abort it on its worker (soon, not now)."""
+        task = asyncio.get_running_loop().create_task(self._send(job_id, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, job_id: str, reason: str) -> None:
+        try:
+            outcome = await self._queue.cancel(job_id, reason)
+            log.info("request cancelled", request_id=job_id, reason=reason, outcome=outcome)
+        except RedisError as exc:
+            log.warning("cancel failed", request_id=job_id, error=str(exc))
+
+
+# Why a job is cancelled when its call ends this way before the reply finished.
+_CANCEL_REASONS = {
+    Outcome.CANCELLED: "client_disconnected",
+    Outcome.SLOW_CONSUMER: "slow_consumer",
+    Outcome.TIMEOUT: "timeout",
+    Outcome.ERROR: "failed",
+}
+
+
+class ChatCall:
+    """One admitted request's reply, from enqueue to end (see the module docstring)."""
+
+    def __init__(
+        self,
+        job: Job,
+        *,
+        inbox: Inbox,
+        queue: JobQueue,
+        metrics: GatewayMetrics,
+        canceller: Canceller,
+        stream: bool,
+        resumable: bool,
+        timeout_s: float,
+    ) -> None:
+        self.job = job
+        self._inbox = inbox
+        self._queue = queue
+        self._metrics = metrics
+        self._canceller = canceller
+        self._resumable = resumable
+        self._reply = inbox.open(job.id)
+        self._chunks = self._reply.chunks(timeout_s)
+        self._timer = metrics.request(job.priority_class, job.arrival_ms)
+        self._first: Chunk | None = None
+        self._last: Chunk | None = None
+        self._stream = stream
+        self._ended = False
+
+    # -- the reply, chunk by chunk -------------------------------------------------------
+
+    async def enqueue(
+        self, meta: RequestMeta, meta_ttl_ms: int, prefer: str | None, prefer_ms: int
+    ) -> None:
+        """Queue the job (its reply stream is already registered, so nothing arrives
+        unrouted); 503 if Redis does not answer."""
+        try:
+            await self._queue.enqueue(
+                self.job, meta.encode(), meta_ttl_ms=meta_ttl_ms, prefer=prefer, prefer_ms=prefer_ms
+            )
+        except RedisError as exc:
+            raise queue_unavailable() from exc
+        self._reply.enqueued = True
+
+    def _note(self, chunk: Chunk) -> None:
+        """A chunk written to (or collected for) the client."""
+        self._timer.on_chunk(chunk)
+        self._first = self._first or chunk
+        self._last = chunk
+
+    async def first(self, receive: Receive) -> Chunk:
+        """The first chunk, while watching for the client to leave; an error that happens
+        before any token (an expired deadline, a parameter the engine rejects) is raised
+        as the error the client gets, with its status."""
+        try:
+            chunk: Chunk = await race_disconnect(anext(self._chunks), receive)
+        except TimeoutError as exc:
+            raise GatewayTimeout("no reply from any worker in time") from exc
+        self._note(chunk)
+        if chunk.error_code is not None:
+            self.end(Outcome.of_error(chunk.error_code))
+            if chunk.error_code == ErrorCode.EXPIRED:
+                self._metrics.rejected(self.job.priority_class, DropReason.EXPIRED)
+            raise from_worker(chunk.error_code, chunk.error_message)
+        return chunk
+
+    async def collect(self, first: Chunk, receive: Receive) -> tuple[str, Chunk]:
+        """The whole reply as one text, and its final chunk (the call ends with it)."""
+
+        async def rest() -> tuple[str, Chunk]:
+            parts, final = [first.text], first
+            if not first.is_final:
+                async for chunk in self._chunks:
+                    self._note(chunk)
+                    parts.append(chunk.text)
+                    final = chunk
+            return "".join(parts), final
+
+        text, final = await race_disconnect(rest(), receive)
+        self.end(Outcome.of_error(final.error_code))
+        if final.error_code is not None:
+            raise from_worker(final.error_code, final.error_message)
+        return text, final
+
+    def stream(
+        self,
+        first: Chunk,
+        fmt: ChunkFormatter,
+        raw_send: Send | None,
+        on_complete: OnComplete | None,
+        headers: dict[str, str],
+    ) -> StreamingResponse:
+        """The SSE response; it owns the call from here on."""
+        body = self._events(first, fmt, raw_send, on_complete)
+        return _CallResponse(self, body, headers)
+
+    async def _events(
+        self,
+        first: Chunk,
+        fmt: ChunkFormatter,
+        raw_send: Send | None,
+        on_complete: OnComplete | None,
+    ) -> AsyncIterator[bytes]:
+        parts: list[str] | None = [] if on_complete is not None else None
+        try:
+            chunk = first
+            while True:
+                if parts is not None:
+                    parts.append(chunk.text)
+                if chunk.is_final:
+                    if on_complete is not None and parts is not None and not chunk.error_code:
+                        await on_complete("".join(parts), chunk)
+                    self.end(Outcome.of_error(chunk.error_code))
+                yield fmt.render(chunk)
+                if chunk.is_final:
+                    return
+                if chunk is first:
+                    # The head and the first event are out: later content may go straight
+                    # to the connection.
+                    self._reply.direct = self._direct_sink(raw_send, fmt, parts)
+                chunk = await anext(self._chunks)
+                self._note(chunk)
+        except TimeoutError:
+            self.end(Outcome.TIMEOUT)
+            yield error_event(GatewayTimeout("the reply stopped arriving").body())
+            yield DONE
+        except SlowConsumer as exc:
+            self.end(Outcome.SLOW_CONSUMER)
+            yield error_event(
+                SlowClient(
+                    f"{exc}; resume with GET /v1/chat/completions/chatcmpl-{self.job.id}/events"
+                    " and Last-Event-ID"
+                ).body()
+            )
+            yield DONE
+
+    def _direct_sink(
+        self, raw_send: Send | None, fmt: ChunkFormatter, parts: list[str] | None
+    ) -> Callable[[Chunk], bool] | None:
+        """What the relay calls to write one in-order content chunk straight to the
+        client's connection (None: this server or response does not allow it). It does
+        exactly what :meth:`_events` does for such a chunk: the event, the metrics, the
+        text; any other chunk it leaves to the loop."""
+        writer = ConnectionWriter.attach(raw_send)
+        if writer is None:
+            return None
+        write, event, is_content, note = writer.write, fmt.content_event, fmt.is_content, self._note
+
+        def sink(chunk: Chunk) -> bool:
+            if not is_content(chunk) or not write(event(chunk.seq, chunk.text)):
+                return False
+            note(chunk)
+            if parts is not None:
+                parts.append(chunk.text)
+            return True
+
+        return sink
+
+    # -- the end -------------------------------------------------------------------------
+
+    def end(self, outcome: Outcome) -> None:
+        """Record ``outcome``, release the reply stream, and cancel the job if its reply
+        may still run for nobody. Only the first call does anything."""
+        if self._ended:
+            return
+        self._ended = True
+        self._inbox.release(self.job.id)
+        finished = self._last is not None and self._last.is_final
+        reason = _CANCEL_REASONS.get(outcome)
+        if (
+            not finished
+            and reason is not None
+            and (outcome == Outcome.ERROR or not self._resumable)
+        ):
+            self._canceller.cancel(self.job.id, reason)
+        if not self._timer.finish(outcome):
+            return
+        ttft = self._timer.ttft_s
+        first, last = self._first, self._last
+        log.info(
+            "request finished",
+            outcome=outcome,
+            request_id=self.job.id,
+            tenant=self.job.tenant,
+            priority=self.job.priority_class,
+            stream=self._stream,
+            prompt_tokens=len(self.job.prompt_token_ids),
+            e2e_ms=round(self._timer.elapsed_s * 1000, 1),
+            ttft_ms=round(ttft * 1000, 1) if ttft is not None else None,
+            queue_ms=round(first.queue_ms, 1) if first else None,
+            worker_id=first.worker_id if first else None,
+            completion_tokens=last.completion_tokens if last else 0,
+        )
+
+
+class _CallResponse(StreamingResponse):
+    """A streamed reply that ends its call when the response is over, whether its body
+    ran to the end, stopped early, or never started (the client left before the head)."""
+
+    def __init__(self, call: ChatCall, body: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        self._call = call
+
+    async def __call__(self, scope: Scope, receive: ASGIReceive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.end(Outcome.CANCELLED)
