@@ -33,6 +33,7 @@ from gateway.chat.service import ChatService
 from gateway.http.auth import Authenticator
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
+from gateway.streaming.socket_writer import check_uvicorn
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +99,9 @@ class Services:
         # Everything built so far (the tokenizer, transformers, the app) lives as long as
         # the process: out of the collector's sight, and collections spaced out.
         gc_policy.settle()
+        unavailable = check_uvicorn()
+        if unavailable is not None:
+            log.warning("tokens take the ASGI path: no direct socket writes", reason=unavailable)
         log.info("gateway started", gateway_id=gateway_id, inbox=inbox.channel)
         return cls(
             settings,

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 
 from cluster.wire.protocol import Chunk, Job
 from tests.polling import Signal
-from workers.engines.vllm_engine import EngineOutput, OutputSink
+from workers.engines.base import EngineOutput, OutputSink
 
 
 class FakeEngine:
-    """Implements :class:`workers.engines.vllm_engine.Engine` without a model."""
+    """Implements :class:`workers.engines.base.Engine` without a model."""
 
     def __init__(
         self, max_slots: int = 4, delay_s: float = 0.0, fail_with: str | None = None
@@ -81,7 +81,7 @@ class FakeEngine:
 
 
 class FakePushEngine(FakeEngine):
-    """:class:`FakeEngine` through the push path (:class:`workers.engines.vllm_engine.PushEngine`): a
+    """:class:`FakeEngine` through the push path (:class:`workers.engines.base.PushEngine`): a
     task of the engine's own calls the sink, as the simulator's step loop does, so the
     consumer's tests run against both ways of receiving outputs."""
 

@@ -25,9 +25,10 @@ from cluster.runtime import gc_policy as heap
 from cluster.runtime.bundled_model import resolve_model
 from cluster.runtime.logs import configure_logging
 from cluster.wire.keys import Keys
+from workers.engines.base import Engine
 from workers.engines.config import EngineConfig
 from workers.engines.simulated import SimulatedConfig, SimulatedEngine
-from workers.engines.vllm_engine import Engine, VllmEngine
+from workers.engines.vllm_engine import VllmEngine
 from workers.loop.config import ConsumerConfig
 from workers.loop.consumer import Consumer
 

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.wire.replylog import REPLY_LOG_TTL_S
 
+
 class Settings(BaseSettings):
     """Everything an operator can set. Field names map to ``CHARSERVE_<NAME>``."""
 

@@ -35,9 +35,10 @@ class PromptBuilder:
         self._tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
         if self._tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer of {model_path} has no chat template")
-        # A fast tokenizer's Rust backend gives the same ids without transformers'
-        # per-call BatchEncoding (about half the cost of encoding a short prompt).
-        backend = getattr(self._tokenizer, "_tokenizer", None)
+        # A fast tokenizer's Rust backend (its public ``backend_tokenizer``) gives the same
+        # ids without transformers' per-call BatchEncoding (about half the cost of encoding
+        # a short prompt). A slow tokenizer has none: then transformers encodes.
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
         self._backend: Any = backend if hasattr(backend, "encode_batch") else None
         self.max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens

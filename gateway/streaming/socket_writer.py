@@ -20,8 +20,41 @@ from typing import Any
 
 from starlette.types import Send
 
+from cluster.runtime.introspect import missing_names
+
 # The scope key under which the gateway app keeps the server's own ``send``.
 RAW_SEND = "charserve.raw_send"
+_CYCLE_MODULE = "uvicorn.protocols.http.httptools_impl"
+# What the writer reads of uvicorn's request cycle and of its flow control.
+_CYCLE_HAS = (
+    "response_started",
+    "chunked_encoding",
+    "response_complete",
+    "flow",
+    "transport",
+    "disconnected",
+)
+_FLOW_HAS = ("write_paused",)
+
+
+def check_uvicorn() -> str | None:
+    """Why direct writes cannot work with the installed uvicorn (None: they can). The
+    gateway logs it once at start; every stream then takes the ASGI path."""
+    try:
+        from uvicorn.protocols.http.flow_control import FlowControl
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    except ImportError as exc:
+        return f"uvicorn's httptools protocol is not available ({exc})"
+    missing = missing_names(RequestResponseCycle.__init__, _CYCLE_HAS)
+    missing += [f"FlowControl.{n}" for n in missing_names(FlowControl.__init__, _FLOW_HAS)]
+    if missing:
+        import uvicorn
+
+        return (
+            f"uvicorn {uvicorn.__version__} changed its request cycle "
+            f"(missing: {', '.join(missing)})"
+        )
+    return None
 
 
 class ConnectionWriter:
@@ -40,7 +73,7 @@ class ConnectionWriter:
         would not be exactly what ``send`` does (another server or protocol, a response
         not started, or not chunked)."""
         cycle = getattr(raw_send, "__self__", None)
-        if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
+        if type(cycle).__module__ != _CYCLE_MODULE:
             return None
         if not (
             getattr(cycle, "response_started", False)

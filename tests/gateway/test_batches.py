@@ -61,9 +61,7 @@ def jsonl(lines: list[str]) -> bytes:
 
 
 @asynccontextmanager
-async def batch_gateway(
-    settings: Settings, **batch: object
-) -> AsyncIterator[tuple[str, FastAPI]]:
+async def batch_gateway(settings: Settings, **batch: object) -> AsyncIterator[tuple[str, FastAPI]]:
     """A gateway with quick batch settings (``FAST``, updated by ``batch``), served by real
     uvicorn."""
     app = create_app(settings.model_copy(update={**FAST, **batch}))

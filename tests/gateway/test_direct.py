@@ -11,7 +11,7 @@ import pytest
 
 from cluster.wire.protocol import Chunk
 from gateway.streaming.relay import ReplyStream
-from gateway.streaming.socket_writer import ConnectionWriter
+from gateway.streaming.socket_writer import ConnectionWriter, check_uvicorn
 from tests.fakes import make_chunk
 from tests.gateway.conftest import Gateway
 
@@ -160,3 +160,19 @@ async def test_a_failing_sink_is_dropped_and_the_stream_continues_queued() -> No
     stream._deliver(make_chunk(2, finish_reason="stop"))
     got = [(await reader).seq] + [c.seq async for c in chunks]
     assert got == [1, 2] and stream.direct is None
+
+
+def test_the_installed_uvicorn_has_what_direct_writes_use() -> None:
+    assert check_uvicorn() is None
+
+
+def test_a_changed_request_cycle_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uvicorn.protocols.http import httptools_impl
+
+    class Renamed:
+        def __init__(self) -> None:  # a uvicorn whose cycle no longer has a flow control
+            self.transport = None
+
+    monkeypatch.setattr(httptools_impl, "RequestResponseCycle", Renamed)
+    reason = check_uvicorn()
+    assert reason is not None and "flow" in reason and "response_started" in reason

@@ -82,7 +82,7 @@ class Inbox:
 @pytest.fixture(params=[FakeEngine, FakePushEngine], ids=["generator", "push"])
 async def engine(request: pytest.FixtureRequest) -> FakeEngine:
     """Every consumer test runs with outputs iterated from ``generate`` and with outputs
-    pushed by the engine (workers.engines.vllm_engine.run_generation): the behaviour must not differ."""
+    pushed by the engine (workers.engines.base.run_generation): the behaviour must not differ."""
     engine_cls: type[FakeEngine] = request.param
     return engine_cls(max_slots=2)
 

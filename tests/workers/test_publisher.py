@@ -12,7 +12,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.replylog import read_reply_log
-from workers.engines.vllm_engine import EngineOutput
+from workers.engines.base import EngineOutput
 from workers.loop import publisher as publisher_module
 from workers.loop.publisher import Publisher, RequestStream
 

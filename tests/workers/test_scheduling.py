@@ -23,13 +23,16 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV
 from workers.engines.scheduler import (
     MAX_YIELD_STEPS,
+    LatencyFirstAsyncScheduler,
     LatencyFirstScheduler,
+    SchedulerApiMismatch,
+    check_scheduler_api,
     latency_first_scheduler,
 )
-from workers.engines.vllm_engine import BATCH_PRIORITY_BASE
 
 BLOCK = 16
 TOKEN_BUDGET = 256
@@ -101,9 +104,11 @@ def step(scheduler: Scheduler) -> dict[str, int]:
     return dict(out.num_scheduled_tokens)
 
 
-@pytest.fixture
-def scheduler(model_path: str) -> Scheduler:
-    return make_scheduler(model_path, LatencyFirstScheduler)
+@pytest.fixture(params=[LatencyFirstScheduler, LatencyFirstAsyncScheduler])
+def scheduler(model_path: str, request: pytest.FixtureRequest) -> Scheduler:
+    """Both variants: the synchronous one (the CPU) and the asynchronous one (what the
+    hook builds where vLLM schedules asynchronously, most CUDA setups)."""
+    return make_scheduler(model_path, request.param)
 
 
 def start_batch(scheduler: Scheduler, n: int) -> list[str]:
@@ -188,3 +193,35 @@ def test_without_batch_work_it_schedules_like_vllm(model_path: str) -> None:
 
 def test_the_hook_builds_the_synchronous_variant_on_the_cpu(model_path: str) -> None:
     assert isinstance(make_scheduler(model_path, latency_first_scheduler), LatencyFirstScheduler)
+
+
+def test_the_hook_builds_the_asynchronous_variant_where_vllm_schedules_asynchronously(
+    model_path: str,
+) -> None:
+    def hook(*, vllm_config: VllmConfig, **kwargs: object) -> Scheduler:
+        vllm_config.scheduler_config.async_scheduling = True
+        return latency_first_scheduler(vllm_config=vllm_config, **kwargs)
+
+    assert isinstance(make_scheduler(model_path, hook), LatencyFirstAsyncScheduler)
+
+
+def test_the_installed_vllm_has_the_scheduler_api_it_needs() -> None:
+    check_scheduler_api()  # raises on a mismatch
+
+
+def test_a_scheduler_that_renamed_what_it_reads_fails_the_start(model_path: str) -> None:
+    class Renamed(Scheduler):
+        def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+            # vLLM renamed max_num_active_reqs: overriding it would do nothing.
+            self.max_active = self.max_num_running_reqs  # type: ignore[attr-defined]
+            return super().schedule(throttle_prefills)
+
+    with pytest.raises(SchedulerApiMismatch, match="max_num_active_reqs"):
+        check_scheduler_api(Renamed)
+
+    class OldRequest(Request):
+        def __init__(self) -> None:  # a vLLM whose requests have no eligibility step
+            self.priority = 0
+
+    with pytest.raises(SchedulerApiMismatch, match=r"Request\.next_decode_eligible_step"):
+        check_scheduler_api(request=OldRequest)

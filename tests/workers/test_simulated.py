@@ -15,13 +15,13 @@ from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
 from tests.workers.test_consumer import Inbox, make_job
+from workers.engines.base import EngineOutput, run_generation
 from workers.engines.simulated import (
     SimulatedConfig,
     SimulatedEngine,
     simulated_text,
     simulated_token,
 )
-from workers.engines.vllm_engine import EngineOutput, run_generation
 from workers.loop.config import ConsumerConfig
 from workers.loop.consumer import Consumer
 

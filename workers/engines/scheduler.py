@@ -26,7 +26,7 @@ waits behind is bounded, and the step after it is its own. On a CPU a prompt tok
 about as much as a decode of a whole sequence, so this bound matters. With no
 latency-bound traffic, batch prefills run at vLLM's full chunk size.
 
-The class travels in the request's vLLM priority: :func:`workers.engines.vllm_engine.engine_priority`
+The class travels in the request's vLLM priority: :func:`workers.engines.base.engine_priority`
 keeps EDF order (the deadline in ms) and adds ``BATCH_PRIORITY_BASE`` for batch jobs, which
 already sort after latency-bound ones (their budget is a day). Requests with no charserve
 priority (a plain ``LLM.chat``, vLLM's own server) are all below the base, so for them this
@@ -45,13 +45,54 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from cluster.errors import ConfigError
+from cluster.runtime.introspect import missing_names
+from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV
-from workers.engines.vllm_engine import BATCH_PRIORITY_BASE
 
 # Consecutive steps batch work may be held back before ordinary steps resume.
 MAX_YIELD_STEPS = 8
 # Batch prefills are capped while latency-bound requests were seen this recently.
 LATENCY_TRAFFIC_WINDOW_S = 10.0
+
+
+# What this module reads and overrides inside vLLM's scheduler, a private interface:
+# attributes its schedule() must read (or an override would silently do nothing), and
+# attributes a Request must carry.
+SCHEDULER_READS = (
+    "max_num_active_reqs",
+    "max_num_scheduled_tokens",
+    "next_decode_eligible_step",
+    "current_step",
+    "running",
+    "waiting",
+)
+REQUEST_HAS = ("next_decode_eligible_step", "num_computed_tokens", "num_prompt_tokens", "priority")
+
+
+class SchedulerApiMismatch(ConfigError):
+    """The installed vLLM's scheduler is not the one latency-first steps were written for."""
+
+
+def check_scheduler_api(
+    scheduler: type[Scheduler] = Scheduler, request: type[Request] = Request
+) -> None:
+    """Raise :class:`SchedulerApiMismatch` unless ``scheduler.schedule`` reads every name
+    of :data:`SCHEDULER_READS` and ``request`` sets every one of :data:`REQUEST_HAS`.
+
+    Called when a replica's engine builds its scheduler, so a vLLM that renamed or dropped
+    one fails the replica's start with this message, not the first request (or, worse,
+    runs with an override that does nothing)."""
+    missing = missing_names(scheduler.schedule, SCHEDULER_READS)
+    missing += [f"Request.{n}" for n in missing_names(request.__init__, REQUEST_HAS)]
+    if missing:
+        import vllm
+
+        raise SchedulerApiMismatch(
+            f"vLLM {getattr(vllm, '__version__', '?')}'s scheduler no longer has what "
+            f"latency-first steps use ({', '.join(missing)}); install the vLLM version "
+            "charserve pins, or set engine.latency_first_steps: false"
+        )
 
 
 def is_batch(request: Request) -> bool:
@@ -165,6 +206,7 @@ def latency_first_scheduler(*, vllm_config: VllmConfig, **kwargs: Any) -> Schedu
     on for most CUDA setups), after the engine arguments are read, so the choice is made
     here, when the engine core builds its scheduler.
     """
+    check_scheduler_api()
     if vllm_config.scheduler_config.async_scheduling:
         return LatencyFirstAsyncScheduler(vllm_config=vllm_config, **kwargs)
     return LatencyFirstScheduler(vllm_config=vllm_config, **kwargs)

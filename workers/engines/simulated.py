@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.wire.protocol import Job
-from workers.engines.vllm_engine import EngineOutput, OutputSink
+from workers.engines.base import EngineOutput, OutputSink
 
 _VOCAB = 997
 
@@ -55,7 +55,7 @@ class _Running:
     job: Job
     position: int
     remaining: int
-    # Receives this request's outputs from the step loop (see workers.engines.vllm_engine.PushEngine).
+    # Receives this request's outputs from the step loop (see workers.engines.base.PushEngine).
     sink: OutputSink
     # Resolved when the reply ended (or with the exception its sink raised).
     ended: asyncio.Future[None]
@@ -65,7 +65,7 @@ class _Running:
 
 
 class SimulatedEngine:
-    """Implements :class:`workers.engines.vllm_engine.PushEngine` with a timing model."""
+    """Implements :class:`workers.engines.base.PushEngine` with a timing model."""
 
     def __init__(self, config: SimulatedConfig) -> None:
         self._config = config

@@ -28,7 +28,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Cancel, Job, WorkerStats
 from cluster.wire.queue import JobQueue, Poison
-from workers.engines.vllm_engine import Engine, EngineOutput, engine_priority, run_generation
+from workers.engines.base import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
 from workers.loop.config import ConsumerConfig
 from workers.loop.metrics import WorkerMetrics, render_worker_metrics

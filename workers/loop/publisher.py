@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import ChunkEncoder, Job
 from cluster.wire.replylog import REPLY_FIELD, REPLY_LOG_MAXLEN, REPLY_LOG_TTL_S
-from workers.engines.vllm_engine import EngineOutput
+from workers.engines.base import EngineOutput
 
 log = structlog.get_logger(__name__)
 
