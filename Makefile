@@ -42,6 +42,8 @@ test-fast: install
 
 lint: $(STAMP)
 	$(BIN)/ruff check cluster workers gateway tests
+	$(BIN)/ruff format --check cluster workers gateway tests
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 bench: install

@@ -42,8 +42,7 @@ from cluster.backfill.driver import Options, backfill
 from cluster.backfill.plan import parse_spec, plan_dialogue
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
-from cluster.ops.stack import wait_ready
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 _CHARACTERS = [

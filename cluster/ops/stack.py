@@ -19,9 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import structlog
@@ -29,26 +26,11 @@ import structlog
 from cluster.ops import ray_serve
 from cluster.ops.serve_config import gateway_env, load_serve_config
 from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.net import wait_ready
 from cluster.runtime.redis_server import RedisServer
 from cluster.runtime.settings import Settings
 
 log = structlog.get_logger(__name__)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """Poll ``url`` until it answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s")
 
 
 def url_file(settings: Settings) -> Path:

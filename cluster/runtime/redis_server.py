@@ -20,7 +20,7 @@ from urllib.parse import quote
 import redis
 import structlog
 
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 from cluster.runtime.redis_client import redacted_url
 
 log = structlog.get_logger(__name__)

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from cluster.backfill.driver import Options, backfill
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 from tests.e2e.conftest import ROOT, Stack
 from tests.polling import eventually
 

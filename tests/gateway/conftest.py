@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from gateway.app import create_app

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys

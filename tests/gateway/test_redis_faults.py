@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 from cluster.runtime.redis_server import RedisServer
 from cluster.wire.keys import Keys
 from tests.fakes import FakeEngine

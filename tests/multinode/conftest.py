@@ -23,8 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from cluster.ops.stack import wait_ready
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port, wait_ready
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from cluster.runtime.ports import free_port
+from cluster.runtime.net import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # What ``ray start`` prints once its node is up (head or not).
