@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from redis.exceptions import RedisError
 
 from cluster.runtime.settings import Settings
+from gateway.batches.objects import COMPLETION_WINDOW, ENDPOINT
 from gateway.batches.schemas import (
     FILE_CONTENT_RESPONSES,
     FILE_UPLOAD_EXTRA,
@@ -35,7 +36,7 @@ from gateway.batches.schemas import (
     FileDeleted,
     FileList,
 )
-from gateway.batches.store import COMPLETION_WINDOW, ENDPOINT, BatchStore
+from gateway.batches.store import BatchStore
 from gateway.http.context import tenant as tenant_of
 from gateway.http.errors import (
     BadRequest,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.batches.store import Status
+from gateway.batches.objects import Status
 from gateway.http.openapi import error_responses
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

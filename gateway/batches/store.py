@@ -34,39 +34,22 @@ from __future__ import annotations
 import json
 import secrets
 import time
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
 from cluster.wire.queue import NOW_MS_LUA
-
-ENDPOINT: Final = "/v1/chat/completions"
-COMPLETION_WINDOW: Final = "24h"
-WINDOW_S: Final = 24 * 3600
-FINAL_STATUSES: Final = ("failed", "completed", "expired", "cancelled")
-Status = Literal[
-    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
-    "cancelled",
-]  # fmt: skip
-_TIMESTAMPS = (
-    "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-    "cancelling_at", "cancelled_at",
-)  # fmt: skip
-
-
-def new_file_id() -> str:
-    """A fresh file id, OpenAI style."""
-    return f"file-{uuid.uuid4().hex[:24]}"
-
-
-def new_batch_id() -> str:
-    """A fresh batch id, OpenAI style."""
-    return f"batch_{uuid.uuid4().hex[:24]}"
+from gateway.batches.objects import (
+    WINDOW_S,
+    BatchState,
+    FileObject,
+    as_text,
+    new_batch_id,
+    new_file_id,
+)
 
 
 def member(tenant: str, batch_id: str) -> str:
@@ -80,102 +63,8 @@ def split_member(value: str) -> tuple[str, str]:
     return tenant, batch_id
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-@dataclass(frozen=True, slots=True)
-class FileObject:
-    """A stored file's metadata."""
-
-    id: str
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str
-
-    def body(self) -> dict[str, Any]:
-        """The OpenAI file object."""
-        return {
-            "id": self.id,
-            "object": "file",
-            "bytes": self.bytes,
-            "created_at": self.created_at,
-            "expires_at": None,
-            "filename": self.filename,
-            "purpose": self.purpose,
-            "status": "processed",
-            "status_details": None,
-        }
-
-
-@dataclass(slots=True)
-class BatchState:
-    """A batch as stored: what the API shows and what the runner needs."""
-
-    id: str
-    tenant: str
-    status: str
-    input_file_id: str
-    created_at: int
-    expires_at: int
-    metadata: dict[str, str] | None = None
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
-    timestamps: dict[str, int] = field(default_factory=dict)
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    errors: list[dict[str, Any]] | None = None
-
-    @classmethod
-    def from_hash(cls, tenant: str, raw: Mapping[Any, Any]) -> BatchState:
-        """Decode the stored hash."""
-        fields = {_text(k): _text(v) for k, v in raw.items()}
-        static = json.loads(fields["static"])
-        return cls(
-            id=static["id"],
-            tenant=tenant,
-            status=fields.get("status", "validating"),
-            input_file_id=static["input_file_id"],
-            created_at=int(static["created_at"]),
-            expires_at=int(fields.get("expires_at", static["expires_at"])),
-            metadata=static.get("metadata"),
-            total=int(fields.get("total", 0)),
-            completed=int(fields.get("completed", 0)),
-            failed=int(fields.get("failed", 0)),
-            timestamps={k: int(fields[k]) for k in _TIMESTAMPS if fields.get(k)},
-            output_file_id=fields.get("output_file_id") or None,
-            error_file_id=fields.get("error_file_id") or None,
-            errors=json.loads(fields["errors"]) if fields.get("errors") else None,
-        )
-
-    def body(self) -> dict[str, Any]:
-        """The OpenAI batch object."""
-        return {
-            "id": self.id,
-            "object": "batch",
-            "endpoint": ENDPOINT,
-            "errors": {"object": "list", "data": self.errors} if self.errors else None,
-            "input_file_id": self.input_file_id,
-            "completion_window": COMPLETION_WINDOW,
-            "status": self.status,
-            "output_file_id": self.output_file_id,
-            "error_file_id": self.error_file_id,
-            "created_at": self.created_at,
-            **{k: self.timestamps.get(k) for k in _TIMESTAMPS},
-            "expires_at": self.expires_at,
-            "request_counts": {
-                "total": self.total,
-                "completed": self.completed,
-                "failed": self.failed,
-            },
-            "metadata": self.metadata,
-        }
 
 
 # Record one line's result exactly once, and only while the batch is not final.
@@ -365,7 +254,7 @@ class BatchStore:
         raw = await self._redis.hgetall(self.keys.file(tenant, file_id))
         if not raw:
             return None
-        fields = {_text(k): _text(v) for k, v in raw.items()}
+        fields = {as_text(k): as_text(v) for k, v in raw.items()}
         return FileObject(
             file_id,
             int(fields["bytes"]),
@@ -381,7 +270,7 @@ class BatchStore:
 
     async def files(self, tenant: str) -> list[FileObject]:
         """The tenant's files, newest first."""
-        ids = [_text(i) for i in await self._redis.zrevrange(self.keys.files(tenant), 0, -1)]
+        ids = [as_text(i) for i in await self._redis.zrevrange(self.keys.files(tenant), 0, -1)]
         found = [await self.file(tenant, i) for i in ids]
         return [f for f in found if f is not None]
 
@@ -457,12 +346,14 @@ class BatchStore:
             if rank is None:
                 return [], False
             start = int(rank) + 1  # type: ignore[arg-type]
-        ids = [_text(i) for i in await self._redis.zrevrange(key, start, start + limit)]
+        ids = [as_text(i) for i in await self._redis.zrevrange(key, start, start + limit)]
         return ids[:limit], len(ids) > limit
 
     async def active(self) -> list[tuple[str, str]]:
         """``(tenant, batch_id)`` of every batch not yet final."""
-        return [split_member(_text(m)) for m in await self._redis.smembers(self.keys.batch_active)]
+        return [
+            split_member(as_text(m)) for m in await self._redis.smembers(self.keys.batch_active)
+        ]
 
     async def input(self, tenant: str, batch_id: str) -> bytes | None:
         """The batch's copy of its input file."""
@@ -496,7 +387,7 @@ class BatchStore:
             ],
             args=args,
         )
-        return _text(outcome)
+        return as_text(outcome)
 
     async def set_total(self, tenant: str, batch_id: str, total: int) -> None:
         """Record how many request lines the batch has (known once it is parsed)."""
@@ -537,7 +428,7 @@ class BatchStore:
             ],
             args=[want, cap, lease_ms, prefix],
         )
-        items = [_text(x) for x in flat]
+        items = [as_text(x) for x in flat]
         return [Claim(int(items[i]), items[i + 1], items[i + 2]) for i in range(0, len(items), 3)]
 
     async def renew(
@@ -553,7 +444,7 @@ class BatchStore:
         lost = await self._renew(
             keys=[k.batch_owners(tenant, batch_id), k.batch_leases(tenant, batch_id)], args=args
         )
-        return [int(_text(x)) for x in lost]
+        return [int(as_text(x)) for x in lost]
 
     async def reown(self, tenant: str, batch_id: str, index: int, job_id: str, new: str) -> bool:
         """Run the line under job ``new`` (or give it up when ``new`` is ''), if this
@@ -581,7 +472,7 @@ class BatchStore:
     async def missing(self, tenant: str, batch_id: str, total: int) -> list[int]:
         """Indexes of lines without a result."""
         have = {
-            int(_text(i))
+            int(as_text(i))
             for i in await self._redis.hkeys(self.keys.batch_results(tenant, batch_id))
         }
         return [i for i in range(total) if i not in have]
@@ -592,7 +483,7 @@ class BatchStore:
         async for index, value in self._redis.hscan_iter(
             self.keys.batch_results(tenant, batch_id), count=1000
         ):
-            out[int(_text(index))] = _bytes(value)
+            out[int(as_text(index))] = _bytes(value)
         return out
 
     async def lock(self, tenant: str, batch_id: str, ttl_ms: int) -> str | None:

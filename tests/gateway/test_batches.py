@@ -22,7 +22,8 @@ from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys
 from gateway.app import create_app
-from gateway.batches.runner import BatchRunner, parse_input
+from gateway.batches.lines import parse_input
+from gateway.batches.runner import BatchRunner
 from tests.fakes import FakeEngine
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
