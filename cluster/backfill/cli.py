@@ -14,6 +14,7 @@ import httpx
 
 from cluster.backfill.driver import Options, backfill
 from cluster.backfill.plan import DEFAULT_SYSTEM_PROMPT
+from cluster.wire.vocabulary import PriorityClass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="per character turn")
     parser.add_argument("--user-max-tokens", type=int, default=64, help="per user turn")
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--priority", default="batch", choices=("batch", "standard", "interactive"))
+    parser.add_argument(
+        "--priority", default=PriorityClass.BATCH, choices=[c.value for c in PriorityClass]
+    )
     parser.add_argument("--format", default="openai", choices=("openai", "sharegpt"))
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per request")

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 
 from cluster.errors import ProtocolError
+from cluster.wire.vocabulary import PriorityClass
 
 VERSION = 2
 _ACCEPTED = frozenset({1, 2})
@@ -37,7 +38,7 @@ class Job:
     sampling: dict[str, Any]
     arrival_ms: int
     deadline_ms: int
-    priority_class: str = "interactive"
+    priority_class: str = PriorityClass.INTERACTIVE
     tenant: str = "default"
     attempt: int = 0
     # Tokens already delivered by an earlier attempt; a retry continues after them.

@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job
+from cluster.wire.vocabulary import PriorityClass
 
 QueuePolicy = Literal["edf", "fifo"]
 CancelOutcome = Literal["dequeued", "signalled", "unknown"]
@@ -256,7 +257,7 @@ class JobQueue:
         woken directly.
         """
         k = self._keys
-        is_batch = "1" if job.priority_class == "batch" else "0"
+        is_batch = "1" if job.priority_class == PriorityClass.BATCH else "0"
         added = await self._enqueue(
             keys=[
                 k.queue,

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from cluster.runtime.settings import Settings
 from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
+from cluster.wire.vocabulary import DropReason, PriorityClass
 from gateway.chat.capacity import Capacity, CapacityView
-from gateway.http.errors import APIError, BadRequest, ServiceUnavailable, TooManyRequests
+from gateway.http.errors import APIError, BadRequest, refused
 from gateway.metrics import GatewayMetrics
-
-CLASSES = ("interactive", "standard", "batch")
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
     """The admitted class and deadline of one request."""
 
-    priority_class: str
+    priority_class: PriorityClass
     arrival_ms: int
     deadline_ms: int
 
@@ -42,16 +40,17 @@ def classify(
     settings: Settings, arrival_ms: int, priority: str | None, budget: str | None
 ) -> Admission:
     """Decide class and deadline from the request headers; 400 on a bad header."""
-    cls = (priority or "interactive").strip().lower()
-    if cls not in CLASSES:
+    name = (priority or PriorityClass.INTERACTIVE).strip().lower()
+    if name not in PriorityClass._value2member_map_:
         raise BadRequest(
-            f"X-Priority must be one of {', '.join(CLASSES)}, not {priority!r}",
+            f"X-Priority must be one of {', '.join(PriorityClass)}, not {priority!r}",
             param="X-Priority",
         )
+    cls = PriorityClass(name)
     budget_ms = {
-        "interactive": settings.budget_interactive_ms,
-        "standard": settings.budget_standard_ms,
-        "batch": settings.budget_batch_ms,
+        PriorityClass.INTERACTIVE: settings.budget_interactive_ms,
+        PriorityClass.STANDARD: settings.budget_standard_ms,
+        PriorityClass.BATCH: settings.budget_batch_ms,
     }[cls]
     if budget is not None:
         try:
@@ -67,9 +66,6 @@ def classify(
     return Admission(cls, arrival_ms, arrival_ms + budget_ms)
 
 
-DropReason = Literal["budget", "queue_full", "no_workers", "expired", "rate_limited"]
-
-
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """Why a request is refused at the door, and when to come back."""
@@ -81,10 +77,7 @@ class Rejection:
 
     def error(self) -> APIError:
         """The client-facing error, with ``Retry-After`` and the drop reason."""
-        headers = {"Retry-After": str(self.retry_after_s), "X-Charserve-Drop-Reason": self.reason}
-        if self.status == 503:
-            return ServiceUnavailable(self.message, code=self.reason, headers=headers)
-        return TooManyRequests(self.message, code=self.reason, headers=headers)
+        return refused(self.reason, self.message, self.retry_after_s, self.status)
 
 
 def estimate_ttft_ms(capacity: Capacity, ahead: int) -> float | None:
@@ -138,15 +131,15 @@ class Admitter:
     def _queue_bound(self, job: Job, capacity: Capacity) -> Rejection | None:
         if capacity.waiting < self._settings.max_queued:
             return None
-        return Rejection("queue_full", "the queue is full; try again shortly", 1)
+        return Rejection(DropReason.QUEUE_FULL, "the queue is full; try again shortly", 1)
 
     def _workers_present(self, job: Job, capacity: Capacity) -> Rejection | None:
-        if capacity.workers > 0 or job.priority_class == "batch":
+        if capacity.workers > 0 or job.priority_class == PriorityClass.BATCH:
             return None  # batch work may wait for workers to come back
-        return Rejection("no_workers", "no worker is serving right now", 5, status=503)
+        return Rejection(DropReason.NO_WORKERS, "no worker is serving right now", 5, status=503)
 
     async def _budget(self, job: Job, capacity: Capacity) -> Rejection | None:
-        if job.priority_class == "batch":
+        if job.priority_class == PriorityClass.BATCH:
             return None  # batch is never refused for budget; it yields
         budget_ms = job.deadline_ms - job.arrival_ms
         ahead = 0
@@ -156,7 +149,7 @@ class Admitter:
         if estimate is None or estimate <= budget_ms:
             return None
         return Rejection(
-            "budget",
+            DropReason.BUDGET,
             f"the estimated time to first token ({estimate:.0f} ms, {ahead} requests ahead) "
             f"exceeds the latency budget ({budget_ms} ms)",
             max(1, math.ceil((estimate - budget_ms) / 1000.0)),

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from cluster.wire.vocabulary import PriorityClass
 from gateway.http.openapi import ERROR_RESPONSES, error_responses, ok
 
 
@@ -318,7 +319,7 @@ CHAT_COMPLETION_EXTRA: dict[str, Any] = {
         _header(
             "X-Priority",
             "Admission class (default interactive).",
-            {"type": "string", "enum": ["interactive", "standard", "batch"]},
+            {"type": "string", "enum": [c.value for c in PriorityClass]},
         ),
         _header(
             "X-Latency-Budget-Ms",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from cluster.wire.tenants import ApiKeys, KeyRecord, Limits, RateDecision, RateLimiter, digest
+from cluster.wire.vocabulary import DropReason
 from gateway.http.errors import TooManyRequests, Unauthorized
 
 DEFAULT_TENANT = "default"
@@ -80,7 +81,7 @@ class Authenticator:
         decision = await self._limiter.take(tenant, limits, tokens)
         if decision.allowed:
             return decision
-        headers = {**decision.headers(), "X-Charserve-Drop-Reason": "rate_limited"}
+        headers = {**decision.headers(), "X-Charserve-Drop-Reason": DropReason.RATE_LIMITED}
         if decision.wait_ms < 0:
             raise TooManyRequests(
                 f"Request too large: it needs {tokens} tokens and the limit is "

@@ -98,7 +98,7 @@ class TooManyRequests(APIError):
 
     status = 429
     type = "rate_limit_error"
-    code = "rate_limited"
+    code = DropReason.RATE_LIMITED.value
 
 
 class ServiceUnavailable(APIError):

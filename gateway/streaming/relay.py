@@ -39,6 +39,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
 from cluster.wire.replylog import REPLY_FIELD, read_reply_log
+from cluster.wire.vocabulary import ErrorCode
 
 log = structlog.get_logger(__name__)
 
@@ -305,7 +306,7 @@ class Inbox:
                         0,
                         0,
                         finish_reason="error",
-                        error_code="lost",
+                        error_code=ErrorCode.LOST,
                         error_message="the request was lost (its queue restarted without "
                         "its data); retry it",
                     )

@@ -28,6 +28,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Cancel, Job, WorkerStats
 from cluster.wire.queue import JobQueue, Poison
+from cluster.wire.vocabulary import ErrorCode, PriorityClass
 from workers.engines.base import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
 from workers.loop.config import ConsumerConfig
@@ -215,7 +216,7 @@ class Consumer:
                     continue
                 self._claimed_total += 1
                 self.metrics.claimed(job.priority_class)
-                if job.priority_class == "batch":
+                if job.priority_class == PriorityClass.BATCH:
                     self._batch_running.add(job.id)
                     self._pacer.take(1)
                 task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
@@ -263,14 +264,14 @@ class Consumer:
                 handed_back, outcome = True, "handed_back"
             else:
                 outcome = "cancelled"
-                self._fail(stream, "cancelled", "the request was cancelled")
+                self._fail(stream, ErrorCode.CANCELLED, "the request was cancelled")
         except JobError as exc:
             outcome = exc.code
             self._fail(stream, exc.code, str(exc))
         except Exception as exc:  # an engine failure ends this job, not the worker
             log.exception("job failed")
             outcome = "error"
-            self._fail(stream, "internal_error", f"generation failed: {exc}")
+            self._fail(stream, ErrorCode.INTERNAL, f"generation failed: {exc}")
         finally:
             self._completed_since_beat += 1
             self._running.pop(job.id, None)
@@ -308,7 +309,7 @@ class Consumer:
         assert self._publisher is not None
         if stream.seq == 0 and not stream.pending_ids:
             stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
-            if stream.job.priority_class != "batch":
+            if stream.job.priority_class != PriorityClass.BATCH:
                 # Admission estimates latency-bound work: long batch prefills
                 # (multi-turn backfills) must not make it look infeasible.
                 self._note_prefill(stream.prefill_ms)

@@ -21,6 +21,7 @@ from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import JobQueue, Poison
 from cluster.wire.replylog import read_reply_log
+from cluster.wire.vocabulary import ErrorCode
 from workers.loop.publisher import Publisher, RequestStream
 
 log = structlog.get_logger(__name__)
@@ -102,7 +103,7 @@ class Recovery:
                 completion_tokens=last.completion_tokens if last else 0,
                 prompt_tokens=last.prompt_tokens if last else len(job.prompt_token_ids),
             )
-            stream.fail("dead_letter", reason)
+            stream.fail(ErrorCode.DEAD_LETTER, reason)
             self._publisher.mark(stream)
             await asyncio.wait_for(stream.done.wait(), timeout=30.0)
         return "dead_lettered"
