@@ -8,6 +8,11 @@
 - ``charserve prepare-model``: convert the bundled model once; print its folder.
 - ``charserve bench``: the streaming load generator (see ``cluster.bench.load``).
 - ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench.mixed``).
+- ``charserve bench-sessions``: multi-turn sessions, affinity against none
+  (``cluster.bench.sessions``).
+- ``charserve backfill``: character dialogues through a gateway (``cluster.backfill``).
+- ``charserve bench-backfill``: the backfill against vLLM's offline ``LLM.chat``, and
+  interactive latency beside it (``cluster.bench.backfill``).
 
 This is the composition root: it names the gateway app by import string only, so the
 ``cluster`` package never imports ``gateway`` or ``workers``.

@@ -36,7 +36,9 @@ class Settings(BaseSettings):
     namespace: str = Field(default="charserve", description="Prefix of every Redis key.")
     host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     port: int = Field(default=8000, ge=0, le=65535, description="Gateway port.")
-    gateway_workers: int = Field(default=1, ge=1, description="Gateway processes in `up`.")
+    gateway_workers: int = Field(
+        default=1, ge=1, description="Gateway processes `charserve gateway` (and `up`) runs."
+    )
 
     # The model.
     model: str | None = Field(
@@ -60,13 +62,20 @@ class Settings(BaseSettings):
         description="The workers' heartbeat period: a worker is alive for three of them.",
     )
     request_timeout_s: float = Field(
-        default=600.0, gt=0, description="Longest a gateway waits for one reply."
+        default=600.0,
+        gt=0,
+        description="Longest a gateway waits for a reply's first chunk, or between two "
+        "chunks of it (504 or a timeout error event after that).",
     )
     budget_interactive_ms: int = Field(
         default=2_000, ge=1, description="TTFT budget of the interactive class."
     )
-    budget_standard_ms: int = Field(default=30_000, ge=1)
-    budget_batch_ms: int = Field(default=86_400_000, ge=1)
+    budget_standard_ms: int = Field(
+        default=30_000, ge=1, description="TTFT budget of the standard class."
+    )
+    budget_batch_ms: int = Field(
+        default=86_400_000, ge=1, description="TTFT budget of the batch class (a day)."
+    )
     max_queued: int = Field(
         default=10_000, ge=1, description="Hard bound on waiting jobs (protects Redis memory)."
     )
@@ -115,9 +124,7 @@ class Settings(BaseSettings):
         default=REPLY_LOG_TTL_S,
         ge=1,
         # CHARSERVE_LOG_TTL_S is its name before 0.2 (still read).
-        validation_alias=AliasChoices(
-            "reply_log_ttl_s", "CHARSERVE_REPLY_LOG_TTL_S", "CHARSERVE_LOG_TTL_S"
-        ),
+        validation_alias=AliasChoices("CHARSERVE_REPLY_LOG_TTL_S", "CHARSERVE_LOG_TTL_S"),
         description="How long a reply can be resumed (its log lives).",
     )
     # The Batch API (gateway.batches).
@@ -152,4 +159,4 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="auto: pretty on a TTY, JSON otherwise."
     )
-    log_level: str = Field(default="info")
+    log_level: str = Field(default="info", description="Level of the gateway's logs.")

@@ -6,7 +6,7 @@ one token, and a step takes ``step_base_ms + step_ms_per_seq * batch`` plus
 are a deterministic function of the request's prompt and position, so a reply continued on
 another replica after a failover is the same text an uninterrupted one would have been.
 
-It is selected only by explicit configuration (``engine.kind: simulated`` in the Serve
+It is selected only by explicit configuration (``engine_kind: simulated`` in the Serve
 config args); it exists to measure and test the queue, relay and failover paths at scales
 and speeds the CPU engine cannot reach, never to serve users.
 """
