@@ -21,7 +21,7 @@ from cluster.runtime.redis_client import connect
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.queue import JobQueue
-from cluster.wire.tenants import ApiKeys, Limits, RateLimiter
+from cluster.wire.tenants import ApiKeys, RateLimiter
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import BatchStore
 from gateway.characters.persona_chat import PersonaChat
@@ -30,9 +30,10 @@ from gateway.chat.admission import Admitter
 from gateway.chat.capacity import CapacityView
 from gateway.chat.prompts import PromptBuilder
 from gateway.chat.service import ChatService
-from gateway.http.auth import Authenticator
+from gateway.http.auth import Authenticator, check_auth_mode
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
+from gateway.streaming.resume import Readers
 from gateway.streaming.socket_writer import check_uvicorn
 
 log = structlog.get_logger(__name__)
@@ -54,12 +55,19 @@ class Services:
     chat: ChatService
     batch_store: BatchStore
     batch_runner: BatchRunner
+    readers: Readers
 
     @classmethod
     async def start(cls, settings: Settings, keys: Keys) -> Services:
         """Connect, subscribe, load the tokenizer and start every background task."""
         if not settings.redis_url:
             raise RuntimeError("the gateway needs CHARSERVE_REDIS_URL")
+        check_auth_mode(settings.auth, settings.host)
+        if settings.auth == "open":
+            log.warning(
+                "auth is open: no API keys, every caller is the tenant 'default'",
+                host=settings.host,
+            )
         gateway_id = uuid.uuid4().hex[:12]
         redis = connect(settings.redis_url)
         inbox = Inbox(redis, keys, gateway_id, settings.relay_queue_chunks)
@@ -72,9 +80,10 @@ class Services:
         capacity = CapacityView(redis, keys, settings.heartbeat_ms)
         await capacity.start()
         auth = Authenticator(
+            settings.auth,
             ApiKeys(redis, keys),
             RateLimiter(redis, keys),
-            Limits(settings.rate_limit_rpm, settings.rate_limit_tpm),
+            settings.tenant_limits,
             settings.auth_cache_s,
         )
         metrics = GatewayMetrics()
@@ -91,8 +100,20 @@ class Services:
             settings.default_system_prompt,
             settings.session_affinity,
         )
+        # Readers of reply logs block on their own connections, never the chat path's.
+        readers = Readers(
+            connect(settings.redis_url, blocking=True, max_connections=settings.max_resume_readers),
+            settings.max_resume_readers,
+        )
         admitter = Admitter(settings, queue, capacity, metrics)
-        chat = ChatService(settings, queue, inbox, prompts, admitter, auth, metrics, persona)
+        chat = ChatService(
+            settings, queue, inbox, prompts, admitter, auth, metrics, persona, readers=readers
+        )
+        # Readers of reply logs block on their own connections, never the chat path's.
+        readers = Readers(
+            connect(settings.redis_url, blocking=True, max_connections=settings.max_resume_readers),
+            settings.max_resume_readers,
+        )
         batch_store = BatchStore(redis, keys)
         batch_runner = BatchRunner(batch_store, chat, queue, settings)
         await batch_runner.start()
@@ -116,6 +137,7 @@ class Services:
             chat,
             batch_store,
             batch_runner,
+            readers,
         )
 
     async def close(self) -> None:
@@ -123,6 +145,7 @@ class Services:
         await self.batch_runner.close()
         await self.capacity.close()
         await self.inbox.close()
+        await self.readers.redis.aclose()
         await self.redis.aclose()
 
 

@@ -17,7 +17,7 @@ import os
 from typing import Any, Literal
 
 import structlog
-from pydantic import Field
+from pydantic import Field, model_validator
 from ray import serve
 from ray.serve import Application
 
@@ -52,6 +52,14 @@ class WorkerArgs(ConsumerConfig):
     namespace: str = "charserve"
     log_format: str = "json"
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _logs_hold_the_longest_reply(self) -> WorkerArgs:
+        # A reply has at most one chunk per token (plus its end, and what retries add).
+        longest = self.engine.max_model_len + 64
+        if self.reply_log_max_chunks < longest:
+            object.__setattr__(self, "reply_log_max_chunks", longest)
+        return self
 
     def resolved_redis_url(self) -> str:
         """The Redis URL from the args or the environment."""

@@ -34,6 +34,13 @@ MAX_CARD_BYTES = 2 * 1024 * 1024
 MAX_PNG_BYTES = 8 * 1024 * 1024
 """Largest PNG card accepted (bytes)."""
 
+MAX_LORE_ENTRIES = 512
+"""Most lorebook entries in one card (each is scanned at every turn)."""
+MAX_LORE_KEYS = 64
+"""Most keys (and secondary keys) of one lorebook entry."""
+MAX_LORE_KEY_CHARS = 512
+"""Longest lorebook key (a regex key is compiled and run at every turn)."""
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SPEC_V1: Final = "chara_card_v1"
 SPEC_V2: Final = "chara_card_v2"
@@ -298,6 +305,12 @@ def _lorebook(book: object, path: str) -> Lorebook:
     entries = [] if entries is None else entries
     if not isinstance(entries, list):
         raise CardError(f"'{path}.entries' must be an array", param=f"{path}.entries")
+    if len(entries) > MAX_LORE_ENTRIES:
+        raise CardError(
+            f"'{path}.entries' holds at most {MAX_LORE_ENTRIES} entries, not {len(entries)}",
+            code="card_too_large",
+            param=f"{path}.entries",
+        )
     return Lorebook(
         entries=tuple(_lore_entry(e, f"{path}.entries[{i}]") for i, e in enumerate(entries)),
         scan_depth=_opt(book, "scan_depth", int, path + "."),
@@ -321,12 +334,22 @@ def _lore_entry(entry: object, path: str) -> LoreEntry:
         for key in ("case_sensitive", "selective", "constant", "use_regex")
     }
     enabled = _opt(entry, "enabled", bool, p)
+    keys = _str_list(entry, "keys", p, commas=True)
+    secondary = _str_list(entry, "secondary_keys", p, commas=True)
+    for name, found in (("keys", keys), ("secondary_keys", secondary)):
+        if len(found) > MAX_LORE_KEYS or any(len(k) > MAX_LORE_KEY_CHARS for k in found):
+            raise CardError(
+                f"'{p}{name}' holds at most {MAX_LORE_KEYS} keys of at most "
+                f"{MAX_LORE_KEY_CHARS} characters",
+                code="card_too_large",
+                param=p + name,
+            )
     return LoreEntry(
-        keys=_str_list(entry, "keys", p, commas=True),
+        keys=keys,
         content=_opt(entry, "content", str, p) or "",
         enabled=True if enabled is None else enabled,
         insertion_order=_opt(entry, "insertion_order", float, p) or 0,
-        secondary_keys=_str_list(entry, "secondary_keys", p, commas=True),
+        secondary_keys=secondary,
         position=position,  # type: ignore[arg-type]  # checked just above
         priority=_opt(entry, "priority", float, p),
         id=_opt(entry, "id", (int, str), p),

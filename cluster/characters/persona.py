@@ -18,12 +18,14 @@ when the card has one.
 
 Lorebook entries trigger when ``constant``, or when a key occurs in the last
 ``scan_depth`` history messages (default :data:`DEFAULT_SCAN_DEPTH`; substring match,
-case-insensitive unless the entry says otherwise; regex when ``use_regex``); a
-``selective`` entry with ``secondary_keys`` also needs one of those; a disabled one never.
-With ``recursive_scanning`` the content of triggered entries is scanned too, until nothing
-new triggers. Over ``token_budget``, entries are dropped lowest first by (``priority``,
-falling back to ``insertion_order`` when absent; then ``insertion_order``; then later in
-the book) until the rest fit. Within a position they are inserted by ``insertion_order``.
+case-insensitive unless the entry says otherwise; regex when ``use_regex``, on an engine
+with a time bound: all of one assembly's regex keys get :data:`LORE_REGEX_BUDGET_S`, and a
+key that runs out of it is no match); a ``selective`` entry with ``secondary_keys`` also
+needs one of those; a disabled one never. With ``recursive_scanning`` the content of
+triggered entries is scanned too, until nothing new triggers. Over ``token_budget``,
+entries are dropped lowest first by (``priority``, falling back to ``insertion_order``
+when absent; then ``insertion_order``; then later in the book) until the rest fit. Within
+a position they are inserted by ``insertion_order``.
 Leading ``@@decorator`` lines of V3 are stripped, not interpreted.
 
 When the prompt is over ``max_prompt_tokens``, the oldest history is dropped first, cutting
@@ -37,13 +39,18 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import regex
 
 from cluster.characters.cards import Card, Lorebook, LoreEntry
 from cluster.errors import InvalidInput
 
 DEFAULT_SCAN_DEPTH = 4
+LORE_REGEX_BUDGET_S = 0.05
+"""Time one assembly may spend matching the regex keys of a lorebook, in all."""
 """History messages scanned for lorebook keys when the book sets no ``scan_depth``."""
 
 Message = dict[str, str]
@@ -75,6 +82,8 @@ class Assembled:
     """How many of the oldest history messages were dropped to fit."""
     lore_entries_used: tuple[LoreEntry, ...]
     prompt_tokens: int
+    lore_timed_out: bool = False
+    """A regex key ran out of the scan's time (it was taken as no match)."""
 
 
 def expand_macros(text: str, *, char: str, user: str) -> str:
@@ -105,7 +114,8 @@ def assemble(
         return expand_macros(text, char=card.display_name, user=user_name).strip()
 
     system = _override(card.system_prompt, default_system_prompt)
-    lore = _triggered_lore(card.character_book, history, count_tokens)
+    scan = _Scan(LORE_REGEX_BUDGET_S)
+    lore = _triggered_lore(card.character_book, history, count_tokens, scan)
     persona = [
         macros(system),
         *(macros(_strip_decorators(e.content)) for e in lore if e.position == "before_char"),
@@ -126,7 +136,7 @@ def assemble(
 
     full = count_tokens(build(0))
     if full <= max_prompt_tokens:
-        return Assembled(build(0), 0, lore, full)
+        return Assembled(build(0), 0, lore, full, scan.timed_out)
     cuts = _cut_points(turns)
     least = count_tokens(build(cuts[-1]))
     if least > max_prompt_tokens:
@@ -140,7 +150,7 @@ def assemble(
             hi, best = mid, (cuts[mid], tokens)
         else:
             lo = mid + 1
-    return Assembled(build(best[0]), best[0], lore, best[1])
+    return Assembled(build(best[0]), best[0], lore, best[1], scan.timed_out)
 
 
 def _override(card_value: str, default: str) -> str:
@@ -175,7 +185,10 @@ def _cut_points(turns: list[Message]) -> list[int]:
 
 
 def _triggered_lore(
-    book: Lorebook | None, history: Sequence[Mapping[str, str]], count_tokens: CountTokens
+    book: Lorebook | None,
+    history: Sequence[Mapping[str, str]],
+    count_tokens: CountTokens,
+    scan: _Scan,
 ) -> tuple[LoreEntry, ...]:
     """The entries that trigger, within the token budget, in insertion order."""
     if book is None:
@@ -189,7 +202,7 @@ def _triggered_lore(
         new = [
             i
             for i, e in enumerate(candidates)
-            if i not in active and (e.constant or _matches(e, buffer))
+            if i not in active and (e.constant or _matches(e, buffer, scan))
         ]
         if not new:
             break
@@ -225,24 +238,48 @@ def _within_budget(
     return kept
 
 
-def _matches(entry: LoreEntry, text: str) -> bool:
-    if not _any_key(entry, entry.keys, text):
+def _matches(entry: LoreEntry, text: str, scan: _Scan) -> bool:
+    if not _any_key(entry, entry.keys, text, scan):
         return False
     return not (entry.selective and entry.secondary_keys) or _any_key(
-        entry, entry.secondary_keys, text
+        entry, entry.secondary_keys, text, scan
     )
 
 
-def _any_key(entry: LoreEntry, keys: tuple[str, ...], text: str) -> bool:
-    flags = 0 if entry.case_sensitive else re.IGNORECASE
+class _Scan:
+    """The time one assembly may spend matching regex keys (:data:`LORE_REGEX_BUDGET_S`
+    in all): a key that would take longer is no match. Python's ``re`` has no time bound,
+    and a catastrophic pattern's cost grows exponentially with the text, so keys run on
+    the ``regex`` engine with a timeout."""
+
+    __slots__ = ("deadline", "timed_out")
+
+    def __init__(self, budget_s: float) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.timed_out = False
+
+    def search(self, pattern: str, text: str, flags: int) -> bool:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.timed_out = True
+            return False
+        try:
+            return regex.search(pattern, text, flags, timeout=left) is not None
+        except TimeoutError:
+            self.timed_out = True
+            return False
+
+
+def _any_key(entry: LoreEntry, keys: tuple[str, ...], text: str, scan: _Scan) -> bool:
     for key in keys:
         if not key.strip():
             continue
         if entry.use_regex:
+            flags = 0 if entry.case_sensitive else regex.IGNORECASE
             try:
-                if re.search(key, text, flags):
+                if scan.search(key, text, flags):
                     return True
-            except re.error:  # the V3 spec: an invalid pattern is no match
+            except regex.error:  # the V3 spec: an invalid pattern is no match
                 continue
         elif (key in text) if entry.case_sensitive else (key.casefold() in text.casefold()):
             return True

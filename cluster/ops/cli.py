@@ -79,7 +79,9 @@ def cmd_gateway(settings: Settings) -> int:
         port=settings.port,
         workers=settings.gateway_workers,
         loop="uvloop",
-        http="httptools",
+        # httptools with a header-read timeout (named by string: cluster never imports
+        # gateway).
+        http="gateway.http.server:HeaderTimeoutProtocol",
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 from cluster.ops.stack import admin_redis_url
 from cluster.runtime.redis_client import connect
@@ -24,10 +25,49 @@ def add_arguments(keys: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="list keys (ids and tenants, never the keys)")
     revoke = sub.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("id")
-    limits = sub.add_parser("limits", help="set a tenant's requests/tokens per minute")
+    limits = sub.add_parser(
+        "limits",
+        help="set a tenant's own limits (the fields given; the rest follow the gateway's "
+        "CHARSERVE_TENANT_LIMITS), then print what it has stored",
+    )
     limits.add_argument("--tenant", required=True)
-    limits.add_argument("--rpm", type=int, default=0, help="requests per minute (0: none)")
-    limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: none)")
+    for name, field in Limits.model_fields.items():
+        if name in ("classes", "budget_floor_ms"):
+            continue
+        kind = float if field.annotation in (float, "float") else int
+        limits.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=None, help=field.description
+        )
+    limits.add_argument(
+        "--classes",
+        default=None,
+        help="comma-separated classes it may use (interactive,standard,batch)",
+    )
+    limits.add_argument(
+        "--budget-floor",
+        action="append",
+        default=None,
+        metavar="CLASS=MS",
+        help="the least X-Latency-Budget-Ms it may ask in a class (repeatable)",
+    )
+
+
+def _given_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The limits fields given on the command line."""
+    given: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in Limits.model_fields
+        if name not in ("classes", "budget_floor_ms") and getattr(args, name) is not None
+    }
+    if args.classes is not None:
+        given["classes"] = [c.strip() for c in args.classes.split(",") if c.strip()]
+    if args.budget_floor:
+        floors = {}
+        for item in args.budget_floor:
+            cls, _, ms = item.partition("=")
+            floors[cls.strip()] = int(ms)
+        given["budget_floor_ms"] = floors
+    return given
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
@@ -58,7 +98,10 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                     sys.stderr.write(f"no key with id {args.id}\n")
                     return 1
             else:
-                await api_keys.set_limits(args.tenant, Limits(args.rpm, args.tpm))
+                own = await api_keys.limits(args.tenant) or {}
+                own.update(_given_limits(args))
+                await api_keys.set_limits(args.tenant, Limits.model_validate(own))
+                print(json.dumps({"tenant": args.tenant, "limits": own}))
             return 0
         finally:
             await redis.aclose()

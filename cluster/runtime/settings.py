@@ -16,6 +16,7 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.wire.replylog import REPLY_LOG_TTL_S
+from cluster.wire.tenants import AuthMode, Limits
 
 
 class Settings(BaseSettings):
@@ -82,6 +83,13 @@ class Settings(BaseSettings):
     queue_policy: Literal["edf", "fifo"] = Field(
         default="edf", description="edf: earliest deadline first; fifo: arrival order."
     )
+    max_resume_readers: int = Field(
+        default=256,
+        ge=1,
+        description="Replies read from their logs at once on one gateway process (resumes, "
+        "and requests attached by their X-Request-Id); each holds a connection of a pool "
+        "of its own.",
+    )
     relay_queue_chunks: int = Field(
         default=1024,
         ge=1,
@@ -106,16 +114,26 @@ class Settings(BaseSettings):
         default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 above)."
     )
     max_messages: int = Field(default=1024, ge=1, description="Most messages in one request.")
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long a client may take to send a request's headers (the "
+        "connection is closed after that).",
+    )
     max_completion_tokens: int | None = Field(
         default=None, ge=1, description="Largest max_tokens a request may ask (None: the window)."
     )
-    rate_limit_rpm: int = Field(
-        default=0, ge=0, description="Default requests per minute per tenant (0: unlimited)."
+    auth: AuthMode = Field(
+        default="open",
+        description="keys: every /v1 route needs an API key (an empty key table means 401, "
+        "never open); open: no keys, every caller is the tenant 'default', allowed only on "
+        "a loopback bind.",
     )
-    rate_limit_tpm: int = Field(
-        default=0,
-        ge=0,
-        description="Default tokens per minute per tenant, prompt plus max_tokens (0: unlimited).",
+    tenant_limits: Limits = Field(
+        default_factory=Limits,
+        description="Every tenant's limits (JSON; a tenant's own, set with `charserve keys "
+        "limits`, override the fields they set): rates, fair-share weight, caps on queued "
+        "and running jobs, streams and stored objects, allowed classes, budget floors.",
     )
     auth_cache_s: float = Field(
         default=2.0, ge=0, description="How long a gateway caches key lookups and limits."

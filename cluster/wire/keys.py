@@ -66,6 +66,60 @@ class Keys:
         """A wake list for one worker: enqueues of jobs that prefer it."""
         return self._key("wake", worker_id)
 
+    @property
+    def job_info(self) -> str:
+        """Hash: job id -> what the queue needs of it without decoding its body
+        (``tenant|class|weight|bytes|flags|max_running|gateway|cost``)."""
+        return self._key("jobinfo")
+
+    def tenant_queue(self, priority_class: str, tenant: str) -> str:
+        """Sorted set: one tenant's waiting job ids in one class (same scores as queue)."""
+        return self._key("tq", priority_class, tenant)
+
+    @property
+    def tenant_queue_prefix(self) -> str:
+        """:meth:`tenant_queue` without its class and tenant (the claim script completes
+        it for the tenants it visits)."""
+        return self._key("tq", "")
+
+    def backlogged(self, priority_class: str) -> str:
+        """Sorted set: tenants with waiting jobs in one class, score = virtual time."""
+        return self._key("backlogged", priority_class)
+
+    def virtual_time(self, priority_class: str) -> str:
+        """Hash: tenant -> tokens served in one class over its weight (fair share)."""
+        return self._key("vtime", priority_class)
+
+    @property
+    def tenant_waiting(self) -> str:
+        """Hash: tenant -> jobs it has waiting in the queue."""
+        return self._key("tenant-waiting")
+
+    @property
+    def tenant_bytes(self) -> str:
+        """Hash: tenant -> bytes of the job bodies it has waiting in the queue."""
+        return self._key("tenant-bytes")
+
+    @property
+    def tenant_running(self) -> str:
+        """Hash: tenant -> jobs of it claimed by workers now."""
+        return self._key("tenant-running")
+
+    @property
+    def cancelled(self) -> str:
+        """Sorted set: cancelled job ids, score = when the record expires (Redis ms)."""
+        return self._key("cancelled")
+
+    @property
+    def dead_bytes(self) -> str:
+        """String: bytes held by the dead-letter list (it is capped by bytes)."""
+        return self._key("dead-bytes")
+
+    def idempotency(self, tenant: str, client_request_id: str) -> str:
+        """String: ``job id|body digest`` of a tenant's request sent with this
+        ``X-Request-Id`` (lives as long as the reply)."""
+        return self._key("idem", tenant, client_request_id)
+
     # -- workers ---------------------------------------------------------------------
 
     @property
@@ -84,6 +138,18 @@ class Keys:
     def control(self, worker_id: str) -> str:
         """Pub/sub channel carrying Cancel messages to one worker."""
         return self._key("control", worker_id)
+
+    # -- gateways -------------------------------------------------------------------
+
+    def gateway_alive(self, gateway_id: str) -> str:
+        """String with a TTL a gateway process refreshes while it runs: a job whose
+        gateway is gone has nobody to deliver to."""
+        return self._key("gateway", gateway_id)
+
+    @property
+    def gateway_alive_prefix(self) -> str:
+        """:meth:`gateway_alive` without the gateway id (for the claim script)."""
+        return self._key("gateway", "")
 
     # -- replies (cluster.wire.replylog) ---------------------------------------------
 

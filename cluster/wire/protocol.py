@@ -20,8 +20,34 @@ import msgpack
 from cluster.errors import ProtocolError
 from cluster.wire.vocabulary import PriorityClass
 
-VERSION = 2
-_ACCEPTED = frozenset({1, 2})
+VERSION = 3
+_ACCEPTED = frozenset({1, 2, 3})
+
+
+# The sampling fields a Job may carry (vLLM's ``SamplingParams`` names): a gateway puts only
+# these in a job, and a worker hands vLLM only these.
+SAMPLING_FIELDS = frozenset(
+    {
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +70,9 @@ class Job:
     # Tokens already delivered by an earlier attempt; a retry continues after them.
     resume_token_ids: list[int] = field(default_factory=list)
     resume_seq: int = 0
+    # v3: the reply outlives its client (any gateway can serve its log); a job that is not
+    # resumable stops once the gateway relaying it is gone.
+    resumable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +153,9 @@ class WorkerStats:
     # from claim to first token (ms): what admission estimates queueing delay from.
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
+    # v3: the least recent cost of a prompt token in a prefill (ms), what admission
+    # estimates a request's own prefill from.
+    prefill_ms_per_token: float = 0.0
 
     @property
     def free_slots(self) -> int:

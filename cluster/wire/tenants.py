@@ -1,13 +1,16 @@
-"""Tenants: API keys and per-tenant rate limits, stored in Redis.
+"""Tenants: API keys and each tenant's limits, stored in Redis.
 
 A key is shown once when it is created (``csk-<id>-<secret>``) and stored only as its
-SHA-256 digest, so a Redis dump does not leak usable keys. While no key exists the gateway
-is open and every caller is the tenant ``default`` (the laptop case); once one exists,
-every ``/v1`` route needs ``Authorization: Bearer <key>``.
+SHA-256 digest, so a Redis dump does not leak usable keys. Whether keys are needed at all is
+the gateway's explicit auth mode (:data:`AuthMode`), never whether a key exists.
 
-Limits are token buckets refilled continuously (requests and tokens per minute), checked
-and taken in one Lua script so concurrent gateways never over-admit. A tenant's own limits
-(``charserve keys limits``) override the gateway's defaults; 0 means unlimited.
+A tenant's :class:`Limits` are everything it may use: request and token rates (token
+buckets refilled continuously, checked and taken in one Lua script so concurrent gateways
+never over-admit), its weight in the queue's fair share, its caps on waiting and running
+jobs, on concurrent streams, on stored objects, the classes it may use and the budgets
+it may ask for. The gateway's defaults (``CHARSERVE_TENANT_LIMITS``) apply to every
+tenant; ``charserve keys limits`` stores a tenant's own values, which override only the
+fields they set. 0 means unlimited wherever a count or a rate is concerned.
 """
 
 from __future__ import annotations
@@ -17,12 +20,28 @@ import json
 import secrets
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster.wire.keys import Keys
+from cluster.wire.vocabulary import PriorityClass
+
+# keys: every /v1 route needs a key; open: no keys, everyone is tenant ``default`` (a
+# gateway refuses to start open unless it binds to loopback only).
+AuthMode = Literal["keys", "open"]
+DEFAULT_TENANT = "default"
 
 _PREFIX = "csk-"
+
+
+def check_tenant_name(tenant: str) -> None:
+    """Raise ``ValueError`` unless ``tenant`` is 1-64 ASCII letters, digits, '-' or '_'
+    (tenant names are parts of Redis keys and of the queue's records)."""
+    plain = tenant.replace("-", "").replace("_", "")
+    if not 0 < len(tenant) <= 64 or not (plain.isascii() and plain.isalnum()):
+        raise ValueError("a tenant name is 1-64 letters, digits, '-' or '_'")
 
 
 def digest(key: str) -> str:
@@ -40,12 +59,53 @@ class KeyRecord:
     name: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Requests and tokens per minute; 0 = unlimited."""
+class Limits(BaseModel):
+    """What one tenant may use (0: unlimited, for every count and rate)."""
 
-    rpm: int = 0
-    tpm: int = 0
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rpm: int = Field(default=0, ge=0, description="Requests per minute.")
+    tpm: int = Field(default=0, ge=0, description="Tokens per minute (prompt plus max_tokens).")
+    weight: float = Field(
+        default=1.0, gt=0, le=1000, description="Share of the queue against other tenants."
+    )
+    max_waiting: int = Field(default=1_000, ge=0, description="Jobs waiting in the queue.")
+    max_waiting_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=0, description="Bytes of the jobs waiting in the queue."
+    )
+    max_running: int = Field(
+        default=0, ge=0, description="Jobs running on workers at once (batch slots)."
+    )
+    max_streams: int = Field(
+        default=1_000,
+        ge=0,
+        description="Open replies (streams and resume readers) per gateway process.",
+    )
+    classes: tuple[PriorityClass, ...] = Field(
+        default=tuple(PriorityClass), description="The admission classes it may use."
+    )
+    budget_floor_ms: dict[PriorityClass, int] = Field(
+        default_factory=dict,
+        description="The least X-Latency-Budget-Ms it may ask in each class.",
+    )
+    max_characters: int = Field(default=1_000, ge=0, description="Stored characters.")
+    max_sessions: int = Field(default=10_000, ge=0, description="Stored sessions.")
+    max_files: int = Field(default=100, ge=0, description="Stored files.")
+    max_file_bytes: int = Field(
+        default=1024 * 1024 * 1024, ge=0, description="Bytes of all its stored files."
+    )
+    max_batches: int = Field(default=100, ge=0, description="Batches not yet finished.")
+
+    @field_validator("budget_floor_ms")
+    @classmethod
+    def _floors(cls, value: dict[PriorityClass, int]) -> dict[PriorityClass, int]:
+        if any(v < 0 for v in value.values()):
+            raise ValueError("budget floors are non-negative ms")
+        return value
+
+    def merged(self, own: dict[str, Any]) -> Limits:
+        """These limits with a tenant's own values (the fields it set) on top."""
+        return self.model_validate({**self.model_dump(), **own})
 
 
 class ApiKeys:
@@ -57,8 +117,7 @@ class ApiKeys:
 
     async def create(self, tenant: str, name: str = "") -> tuple[str, KeyRecord]:
         """A new key for ``tenant``: returns the key (shown once) and its record."""
-        if not tenant or len(tenant) > 64 or not tenant.replace("-", "").replace("_", "").isalnum():
-            raise ValueError("a tenant name is 1-64 letters, digits, '-' or '_'")
+        check_tenant_name(tenant)
         key_id = secrets.token_hex(4)
         key = f"{_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
         record = KeyRecord(key_id, tenant, int(time.time()), name)
@@ -84,23 +143,21 @@ class ApiKeys:
             await pipe.execute()
         return True
 
-    async def lookup(self, key: str) -> tuple[bool, KeyRecord | None]:
-        """(any key exists, the record of ``key`` or None), in one round trip."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hlen(self._keys.api_keys)
-            pipe.hget(self._keys.api_keys, digest(key))
-            count, raw = await pipe.execute()
-        record = KeyRecord(**json.loads(raw)) if raw else None
-        return bool(count), record
+    async def lookup(self, key: str) -> KeyRecord | None:
+        """The record of ``key``, or None (unknown, revoked, or no keys at all)."""
+        raw = await self._redis.hget(self._keys.api_keys, digest(key))
+        return KeyRecord(**json.loads(raw)) if raw else None
 
     async def set_limits(self, tenant: str, limits: Limits) -> None:
-        """Override the default limits for one tenant."""
-        await self._redis.hset(self._keys.tenant_limits, tenant, json.dumps(asdict(limits)))
+        """Store a tenant's own limits: the fields ``limits`` sets explicitly, which then
+        override the gateway's defaults (other fields keep following the defaults)."""
+        own = limits.model_dump(mode="json", exclude_unset=True)
+        await self._redis.hset(self._keys.tenant_limits, tenant, json.dumps(own))
 
-    async def limits(self, tenant: str) -> Limits | None:
-        """The tenant's own limits, if it has any."""
+    async def limits(self, tenant: str) -> dict[str, Any] | None:
+        """The tenant's own limits (only the fields it set), if it has any."""
         raw = await self._redis.hget(self._keys.tenant_limits, tenant)
-        return Limits(**json.loads(raw)) if raw else None
+        return dict(json.loads(raw)) if raw else None
 
 
 # Two token buckets in one hash: r/rt = request level and its time, t/tt = tokens.

@@ -23,6 +23,12 @@ class PriorityClass(StrEnum):
         return self is not PriorityClass.BATCH
 
 
+# Added to a batch job's queue score and vLLM priority: 2**50 ms is ~35,000 years past any
+# deadline, so batch work sorts after every latency-bound job whatever budget it asked for,
+# and still in deadline order among itself.
+BATCH_SCORE_OFFSET = 1 << 50
+
+
 class DropReason(StrEnum):
     """Why a request was refused at the door (``X-Charserve-Drop-Reason``)."""
 
@@ -31,6 +37,7 @@ class DropReason(StrEnum):
     NO_WORKERS = "no_workers"
     EXPIRED = "expired"
     RATE_LIMITED = "rate_limited"
+    TENANT_QUEUE_FULL = "tenant_queue_full"
 
 
 class ErrorCode(StrEnum):

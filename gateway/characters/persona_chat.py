@@ -6,6 +6,8 @@ preferred replica (session affinity), and, when the reply completes, the turns t
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,13 +80,18 @@ class PersonaChat:
             history = [{"role": m.role, "content": m.text()} for m in request.messages]
             user_name = str(extra.get("user_name") or request.user or "User")
         try:
-            assembled = assemble(
-                character.card,
-                history,
-                user_name=user_name,
-                default_system_prompt=self._default_system,
-                count_tokens=self._count,
-                max_prompt_tokens=self._max_model_len - max_tokens,
+            # Off the event loop: lorebook scans and the token counts of the history cut
+            # can take milliseconds (regex keys up to their time bound).
+            assembled = await asyncio.to_thread(
+                functools.partial(
+                    assemble,
+                    character.card,
+                    history,
+                    user_name=user_name,
+                    default_system_prompt=self._default_system,
+                    count_tokens=self._count,
+                    max_prompt_tokens=self._max_model_len - max_tokens,
+                )
             )
         except PromptTooLong as exc:
             raise BadRequest(

@@ -13,6 +13,8 @@ another's.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import secrets
 import time
@@ -47,6 +49,21 @@ class Character:
     def body(self) -> dict[str, Any]:
         """The full form, with the card document exactly as imported."""
         return {**self.summary(), "card": self.card.to_json()}
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(raw: bytes) -> Character:
+    """A stored character record, parsed once (a card is up to 2 MiB of JSON, and a
+    session's every turn reads it)."""
+    record = json.loads(raw)
+    return Character(record["id"], record["created"], parse_card_json(record["card"]))
+
+
+async def _character(raw: bytes) -> Character:
+    # A large card parses off the event loop.
+    if len(raw) < 64 * 1024:
+        return _parse(raw)
+    return await asyncio.to_thread(_parse, raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +122,7 @@ class CharacterStore:
                 param="character_id",
                 code="character_not_found",
             )
-        record = json.loads(raw)
-        return Character(record["id"], record["created"], parse_card_json(record["card"]))
+        return await _character(raw if isinstance(raw, bytes) else raw.encode())
 
     async def characters(self, tenant: str) -> list[Character]:
         """Every character of the tenant, oldest first."""

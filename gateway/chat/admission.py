@@ -144,7 +144,9 @@ class Admitter:
         budget_ms = job.deadline_ms - job.arrival_ms
         ahead = 0
         if capacity.waiting > 0 or capacity.free_slots == 0:
-            ahead = await self._queue.ahead_of(self._queue.score(job))
+            # Under the fair share a tenant waits for its own jobs and one turn of every
+            # other waiting tenant per job, not for everything queued.
+            ahead = (await self._queue.position(job)).fair_ahead
         estimate = estimate_ttft_ms(capacity, ahead)
         if estimate is None or estimate <= budget_ms:
             return None

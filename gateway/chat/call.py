@@ -26,9 +26,15 @@ from starlette.types import Scope, Send
 
 from cluster.errors import Disconnected
 from cluster.wire.protocol import Chunk, Job
-from cluster.wire.queue import JobQueue
+from cluster.wire.queue import Enqueued, JobQueue, Share
 from cluster.wire.vocabulary import DropReason, ErrorCode, Outcome
-from gateway.http.errors import GatewayTimeout, ServiceUnavailable, SlowClient, from_worker
+from gateway.http.errors import (
+    GatewayTimeout,
+    ServiceUnavailable,
+    SlowClient,
+    from_worker,
+    refused,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox, SlowConsumer
 from gateway.streaming.resume import RequestMeta
@@ -96,6 +102,19 @@ class Canceller:
             log.warning("cancel failed", request_id=job_id, error=str(exc))
 
 
+# An enqueue a cap refused: the drop reason and what the client reads.
+_REFUSALS = {
+    "queue_full": (DropReason.QUEUE_FULL, "the queue is full; try again shortly"),
+    "tenant_queue_full": (
+        DropReason.TENANT_QUEUE_FULL,
+        "this tenant has as many requests waiting as its limits allow; try again shortly",
+    ),
+    "tenant_bytes_full": (
+        DropReason.TENANT_QUEUE_FULL,
+        "this tenant's waiting requests hold as many bytes as its limits allow",
+    ),
+}
+
 # Why a job is cancelled when its call ends this way before the reply finished.
 _CANCEL_REASONS = {
     Outcome.CANCELLED: "client_disconnected",
@@ -126,7 +145,7 @@ class ChatCall:
         self._metrics = metrics
         self._canceller = canceller
         self._resumable = resumable
-        self._reply = inbox.open(job.id)
+        self._reply = inbox.open(job.id, job.tenant)
         self._chunks = self._reply.chunks(timeout_s)
         self._timer = metrics.request(job.priority_class, job.arrival_ms)
         self._first: Chunk | None = None
@@ -137,17 +156,42 @@ class ChatCall:
     # -- the reply, chunk by chunk -------------------------------------------------------
 
     async def enqueue(
-        self, meta: RequestMeta, meta_ttl_ms: int, prefer: str | None, prefer_ms: int
-    ) -> None:
+        self,
+        meta: RequestMeta,
+        meta_ttl_ms: int,
+        prefer: str | None,
+        prefer_ms: int,
+        *,
+        share: Share,
+        max_waiting: int,
+        idempotency: tuple[str, str] | None = None,
+    ) -> Enqueued:
         """Queue the job (its reply stream is already registered, so nothing arrives
-        unrouted); 503 if Redis does not answer."""
+        unrouted). A queue or tenant cap refuses it with a 429 (503 if Redis does not
+        answer); ``attached`` and ``conflict`` (the tenant's idempotency key names another
+        job) are the caller's to serve."""
         try:
-            await self._queue.enqueue(
-                self.job, meta.encode(), meta_ttl_ms=meta_ttl_ms, prefer=prefer, prefer_ms=prefer_ms
+            result = await self._queue.enqueue(
+                self.job,
+                meta.encode(),
+                meta_ttl_ms=meta_ttl_ms,
+                prefer=prefer,
+                prefer_ms=prefer_ms,
+                share=share,
+                gateway=self._inbox.gateway_id,
+                resumable=self._resumable,
+                max_waiting=max_waiting,
+                idempotency=idempotency,
             )
         except RedisError as exc:
             raise queue_unavailable() from exc
-        self._reply.enqueued = True
+        if result.status == "queued":
+            self._reply.enqueued = True
+        elif result.status in _REFUSALS:
+            reason, message = _REFUSALS[result.status]
+            self._metrics.rejected(self.job.priority_class, reason)
+            raise refused(reason, message, 1)
+        return result
 
     def _note(self, chunk: Chunk) -> None:
         """A chunk written to (or collected for) the client."""
@@ -233,12 +277,14 @@ class ChatCall:
             yield DONE
         except SlowConsumer as exc:
             self.end(Outcome.SLOW_CONSUMER)
-            yield error_event(
-                SlowClient(
-                    f"{exc}; resume with GET /v1/chat/completions/chatcmpl-{self.job.id}/events"
-                    " and Last-Event-ID"
-                ).body()
-            )
+            if self._resumable:
+                advice = (
+                    f"the reply goes on: resume with GET /v1/chat/completions/"
+                    f"chatcmpl-{self.job.id}/events and Last-Event-ID"
+                )
+            else:
+                advice = "the reply was cancelled (send X-Resumable: true to resume instead)"
+            yield error_event(SlowClient(f"{exc}; {advice}").body())
             yield DONE
 
     def _direct_sink(
@@ -264,6 +310,12 @@ class ChatCall:
         return sink
 
     # -- the end -------------------------------------------------------------------------
+
+    def forget(self) -> None:
+        """Release a call whose job was never queued (another request's reply serves it):
+        nothing to count, nothing to cancel."""
+        self._ended = True
+        self._inbox.release(self.job.id)
 
     def end(self, outcome: Outcome) -> None:
         """Record ``outcome``, release the reply stream, and cancel the job if its reply

@@ -42,6 +42,11 @@ class PromptBuilder:
         self._backend: Any = backend if hasattr(backend, "encode_batch") else None
         self.max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens
+        # No token covers more characters than the longest one in the vocabulary, so a text
+        # of more than max_model_len times that many characters cannot fit: refused before
+        # any tokenizing (which, for megabytes, would hold a thread for a long while).
+        longest = max((len(t) for t in self._tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest, 1)
 
     def requested_max_tokens(self, request: ChatCompletionRequest) -> int:
         """The completion length the request asks for, or the default."""
@@ -73,6 +78,15 @@ class PromptBuilder:
         they cannot fit."""
         if messages is None:
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        chars = prompt_chars(messages)
+        if chars > self.max_prompt_chars:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your messages hold {chars} characters, more than that many tokens "
+                "can. Please reduce the length of the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         token_ids = self.encode(messages)
         prompt_len = len(token_ids)
         room = self.max_model_len - prompt_len
@@ -97,6 +111,11 @@ class PromptBuilder:
         return Prompt(
             token_ids, asked if asked is not None else min(self._default_max_tokens, room)
         )
+
+
+def prompt_chars(messages: list[dict[str, str]]) -> int:
+    """Characters of the messages' contents."""
+    return sum(len(m["content"]) for m in messages)
 
 
 def _template_role(role: str) -> str:

@@ -18,7 +18,7 @@ from gateway.chat.schemas import (
     ChatCompletionRequest,
 )
 from gateway.chat.service import ChatContext
-from gateway.http.context import flag, request_id, tenant
+from gateway.http.context import client_request_id, flag, request_id, tenant
 from gateway.services import services
 from gateway.streaming.resume import load_meta, parse_last_event_id, replay
 from gateway.streaming.socket_writer import RAW_SEND
@@ -50,6 +50,7 @@ def router() -> APIRouter:
             tenant(request),
             admission,
             receive=request.receive,
+            client_request_id=client_request_id(request),
             resumable=flag(request, "x-resumable"),
             event_ids=flag(request, "x-event-ids"),
             raw_send=request.scope.get(RAW_SEND),
@@ -66,14 +67,13 @@ def router() -> APIRouter:
     async def chat_completion_events(completion_id: str, request: Request) -> Response:
         """Resume a streamed reply: the events after ``Last-Event-ID``, then live."""
         s = services(request)
+        caller = tenant(request)
         job_id = completion_id.removeprefix("chatcmpl-")
         after = parse_last_event_id(request.headers.get("last-event-id"))
-        meta = await load_meta(s.redis, s.keys, job_id, tenant(request))
-        return StreamingResponse(
-            replay(s.redis, s.keys, job_id, meta, after, s.settings.request_timeout_s),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+        meta = await load_meta(s.readers.redis, s.keys, job_id, caller)
+        s.readers.admit(caller, (await s.auth.limits(caller)).max_streams)
+        events = replay(s.readers.redis, s.keys, job_id, meta, after, s.settings.request_timeout_s)
+        return s.readers.response(caller, events, _SSE_HEADERS)
 
     @api.get("/v1/models", responses=MODELS_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:

@@ -12,13 +12,23 @@ decorators); handlers build their bodies themselves.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from cluster.wire.protocol import SAMPLING_FIELDS
 from cluster.wire.vocabulary import PriorityClass
 from gateway.http.openapi import ERROR_RESPONSES, error_responses, ok
+
+# Bounds on the lists a request may send: vLLM checks every stop string and bad word at
+# every token, and walks logit_bias and allowed_token_ids at every step, so their sizes
+# are the sampler's cost for everyone batched with the request.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_BAD_WORDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's own bound
+MAX_ALLOWED_TOKEN_IDS = 10_000
 
 
 class TextPart(BaseModel):
@@ -82,11 +92,13 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
-    stop: str | list[str] | None = None
+    stop: str | list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(
+        default=None, max_length=MAX_STOP_STRINGS
+    )
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's extra samplers.
     top_k: int | None = None
@@ -94,9 +106,16 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS
+    )
 
     @model_validator(mode="after")
     def _carriable(self) -> ChatCompletionRequest:
@@ -115,28 +134,17 @@ class ChatCompletionRequest(BaseModel):
         return self
 
     def sampling(self) -> dict[str, Any]:
-        """Sampling fields for the worker: typed ones that were set, plus unknown extras."""
-        fields = (
-            "temperature",
-            "top_p",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "min_tokens",
-            "ignore_eos",
-            "stop_token_ids",
-            "skip_special_tokens",
-            "include_stop_str_in_output",
-        )
-        out: dict[str, Any] = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        """The sampling fields the job carries: the typed ones that were set, and nothing
+        else (a job holds only what the engine uses)."""
+        out: dict[str, Any] = {
+            f: getattr(self, f)
+            for f in SAMPLING_FIELDS
+            if f not in ("stop", "logit_bias") and getattr(self, f, None) is not None
+        }
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.logit_bias:
             out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        out.update(self.model_extra or {})
         return out
 
     @property

@@ -13,6 +13,7 @@ runs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import time
 from collections.abc import MutableMapping
@@ -26,30 +27,45 @@ from starlette.types import Send
 
 from cluster.runtime.settings import Settings
 from cluster.wire.protocol import Chunk, Job
-from cluster.wire.queue import JobQueue
-from cluster.wire.vocabulary import DropReason, Outcome
+from cluster.wire.queue import Enqueued, JobQueue, Share
+from cluster.wire.tenants import Limits
+from cluster.wire.vocabulary import DropReason, Outcome, PriorityClass
 from gateway.characters.persona_chat import PersonaChat, PersonaTurn
 from gateway.chat.admission import Admission, Admitter
 from gateway.chat.call import (
+    SSE_HEADERS,
     Canceller,
     ChatCall,
     ClientGone,
     OnComplete,
     Receive,
     queue_unavailable,
+    race_disconnect,
 )
-from gateway.chat.prompts import PromptBuilder
+from gateway.chat.prompts import Prompt, PromptBuilder, prompt_chars
 from gateway.chat.schemas import ChatCompletionRequest
 from gateway.http.auth import Authenticator
-from gateway.http.errors import BadRequest, GatewayTimeout, NotFound, TooManyRequests
+from gateway.http.errors import (
+    BadRequest,
+    Conflict,
+    GatewayTimeout,
+    NotFound,
+    PermissionDenied,
+    TooManyRequests,
+    from_worker,
+    refused,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
-from gateway.streaming.resume import RequestMeta
+from gateway.streaming.resume import Readers, RequestMeta, collect, load_meta, replay
 from gateway.streaming.sse import ChunkFormatter, completion_body
 
 log = structlog.get_logger(__name__)
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
+# Prompts up to this many characters are rendered and tokenized on the event loop (about
+# a millisecond); longer ones in a thread.
+_ON_LOOP_CHARS = 16_384
 
 
 async def never_disconnects() -> MutableMapping[str, Any]:
@@ -66,16 +82,26 @@ class ChatContext:
     come back for the rest; its events carry ``id:`` lines (as do those of a request that
     asks for ``event_ids``), others are framed exactly as OpenAI frames them. ``raw_send``
     is the server's own ``send`` for this request: with it, tokens may be written straight
-    to the connection (see :mod:`gateway.streaming.socket_writer`).
+    to the connection (see :mod:`gateway.streaming.socket_writer`). ``request_id`` is the
+    server's; ``client_request_id`` (the client's ``X-Request-Id``) is the request's
+    idempotency key within its tenant: the same id again, while the reply lives, is served
+    that reply (never a second job), or refused with 409 if the request differs.
     """
 
     request_id: str
     tenant: str
     admission: Admission
     receive: Receive = never_disconnects
+    client_request_id: str | None = None
     resumable: bool = False
     event_ids: bool = False
     raw_send: Send | None = None
+
+
+def _digest(request: ChatCompletionRequest, job: Job) -> str:
+    """What makes two requests the same one: the body and the admission class."""
+    canonical = request.model_dump_json() + "|" + job.priority_class
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 class ChatService:
@@ -91,8 +117,13 @@ class ChatService:
         auth: Authenticator | None = None,
         metrics: GatewayMetrics | None = None,
         persona: PersonaChat | None = None,
+        *,
+        readers: Readers | None = None,
     ) -> None:
         self._settings = settings
+        # Attached requests read another's reply from its log, as resume readers do.
+        self._readers = readers or Readers(inbox.redis, 64)
+        self._keys = inbox.keys
         self._auth = auth
         self._persona = persona
         self._metrics = metrics or GatewayMetrics()
@@ -106,7 +137,7 @@ class ChatService:
         """Run one chat completion end to end: an SSE response, or one JSON body."""
         self.check(request)
         turn = await self._persona_turn(request, ctx.tenant)
-        prompt = self._prompts.build(request, turn.messages if turn else None)
+        prompt = await self._build_prompt(request, turn)
         rate = await self._charge(
             ctx.tenant, len(prompt.token_ids) + prompt.max_tokens, ctx.admission.priority_class
         )
@@ -121,7 +152,10 @@ class ChatService:
             deadline_ms=ctx.admission.deadline_ms,
             priority_class=ctx.admission.priority_class,
             tenant=ctx.tenant,
+            resumable=ctx.resumable,
         )
+        limits = await self._limits(ctx.tenant)
+        self._within_limits(job, limits)
         await self._admit(job)
         meta = RequestMeta(
             ctx.tenant,
@@ -140,13 +174,24 @@ class ChatService:
             resumable=ctx.resumable,
             timeout_s=self._settings.request_timeout_s,
         )
+        idempotency = None
+        if ctx.client_request_id is not None:
+            idempotency = (ctx.client_request_id, _digest(request, job))
         try:
-            await call.enqueue(
+            enqueued = await call.enqueue(
                 meta,
                 self._settings.reply_log_ttl_s * 1000,
                 turn.prefer if turn else None,
                 self._settings.affinity_wait_ms,
+                share=Share(
+                    limits.weight, limits.max_waiting, limits.max_waiting_bytes, limits.max_running
+                ),
+                max_waiting=self._settings.max_queued,
+                idempotency=idempotency,
             )
+            if enqueued.status != "queued":
+                call.forget()
+                return await self._attach(request, ctx, enqueued, rate)
             first = await call.first(ctx.receive)
             if request.stream:
                 fmt = ChunkFormatter(
@@ -169,6 +214,40 @@ class ChatService:
             await self._record(turn, text, final)
         body = completion_body(meta.completion_id, meta.model, meta.created, text, final)
         return JSONResponse(body, headers=rate)
+
+    async def _attach(
+        self,
+        request: ChatCompletionRequest,
+        ctx: ChatContext,
+        enqueued: Enqueued,
+        headers: dict[str, str],
+    ) -> Response:
+        """Serve the reply an earlier request with the same ``X-Request-Id`` started."""
+        if enqueued.status != "attached":
+            raise Conflict(
+                f"X-Request-Id {ctx.client_request_id!r} was already used by this tenant for "
+                "a different request; use a new id",
+                param="X-Request-Id",
+                code="request_id_reused",
+            )
+        readers, job_id = self._readers, enqueued.job_id
+        meta = await load_meta(readers.redis, self._keys, job_id, ctx.tenant)
+        timeout_s = self._settings.request_timeout_s
+        limits = await self._limits(ctx.tenant)
+        readers.admit(ctx.tenant, limits.max_streams)
+        if request.stream:
+            events = replay(readers.redis, self._keys, job_id, meta, 0, timeout_s)
+            return readers.response(ctx.tenant, events, {**SSE_HEADERS, **headers})
+        try:
+            text, final = await race_disconnect(
+                collect(readers.redis, self._keys, job_id, timeout_s), ctx.receive
+            )
+        finally:
+            readers.release(ctx.tenant)
+        if final.error_code is not None:
+            raise from_worker(final.error_code, final.error_message)
+        body = completion_body(meta.completion_id, meta.model, meta.created, text, final)
+        return JSONResponse(body, headers=headers)
 
     def check(self, request: ChatCompletionRequest) -> None:
         """Reject what this server cannot do, with the field at fault."""
@@ -205,6 +284,54 @@ class ChatService:
                 raise BadRequest(
                     f"logit_bias keys must be token ids, not {key!r}", param="logit_bias"
                 )
+
+    async def _build_prompt(
+        self, request: ChatCompletionRequest, turn: PersonaTurn | None
+    ) -> Prompt:
+        """Render and tokenize the prompt; a long one off the event loop, which belongs to
+        every request of this process."""
+        messages = turn.messages if turn else None
+        chars = prompt_chars(messages) if messages else sum(len(m.text()) for m in request.messages)
+        if chars <= _ON_LOOP_CHARS:
+            return self._prompts.build(request, messages)
+        return await asyncio.to_thread(self._prompts.build, request, messages)
+
+    async def _limits(self, tenant: str) -> Limits:
+        if self._auth is None:
+            return self._settings.tenant_limits
+        try:
+            return await self._auth.limits(tenant)
+        except RedisError as exc:
+            raise queue_unavailable() from exc
+
+    def _within_limits(self, job: Job, limits: Limits) -> None:
+        """What the tenant's limits allow this request: its class, its budget, and one
+        more open reply on this gateway."""
+        cls = PriorityClass(job.priority_class)
+        if cls not in limits.classes:
+            raise PermissionDenied(
+                f"this tenant may not use the {cls} class (it may use "
+                f"{', '.join(limits.classes) or 'none'})",
+                param="X-Priority",
+                code="class_not_allowed",
+            )
+        floor = limits.budget_floor_ms.get(cls, 0)
+        budget_ms = job.deadline_ms - job.arrival_ms
+        if budget_ms < floor:
+            raise BadRequest(
+                f"X-Latency-Budget-Ms is at least {floor} ms in the {cls} class for this "
+                f"tenant, not {budget_ms}",
+                param="X-Latency-Budget-Ms",
+                code="budget_below_floor",
+            )
+        if limits.max_streams and self._inbox.open_for(job.tenant) >= limits.max_streams:
+            self._metrics.rejected(cls, DropReason.TENANT_QUEUE_FULL)
+            raise refused(
+                DropReason.TENANT_QUEUE_FULL,
+                f"this tenant has {limits.max_streams} replies open on this gateway, as many "
+                "as its limits allow",
+                1,
+            )
 
     async def _persona_turn(
         self, request: ChatCompletionRequest, tenant: str

@@ -15,8 +15,15 @@ def new_request_id() -> str:
 
 
 def request_id(request: Request) -> str:
-    """The request's id (set by :class:`gateway.http.middleware.EdgeMiddleware`)."""
+    """The request's id, made by the server (set by
+    :class:`gateway.http.middleware.EdgeMiddleware`)."""
     return str(getattr(request.state, "request_id", "") or new_request_id())
+
+
+def client_request_id(request: Request) -> str | None:
+    """The client's own ``X-Request-Id`` (a label and an idempotency key), if it sent one."""
+    value = getattr(request.state, "client_request_id", None)
+    return str(value) if value is not None else None
 
 
 def tenant(request: Request) -> str:

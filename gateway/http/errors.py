@@ -61,6 +61,14 @@ class BadRequest(APIError):
     code = "invalid_request"
 
 
+class PermissionDenied(APIError):
+    """The caller's key is valid but its tenant may not do this (403)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class NotFound(APIError):
     """Unknown model or resource (404)."""
 

@@ -8,13 +8,21 @@ The tenant a key names is put in ``scope["state"]["tenant"]`` for the routes.
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.http.auth import Authenticator
 from gateway.http.context import new_request_id
-from gateway.http.errors import APIError, PayloadTooLarge, ServiceUnavailable, error_response
+from gateway.http.errors import (
+    APIError,
+    BadRequest,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    error_response,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -33,19 +41,30 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = headers.get(b"x-request-id", b"")
-        ok = 0 < len(given) <= 128 and set(given) <= _ALLOWED_ID
-        request_id = given.decode() if ok else new_request_id()
+        # The server makes every request's id (job ids and every Redis key derive from it);
+        # the client's own X-Request-Id is a label, echoed back and logged, and its
+        # idempotency key within its tenant.
+        request_id = new_request_id()
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        raw_id = request_id.encode()
+        given = headers.get(b"x-request-id")
+        client_id = given.decode("latin-1") if given is not None else None
+        state["client_request_id"] = client_id
+        echo = (client_id if client_id is not None and _sane(given) else request_id).encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 kept = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
-                message["headers"] = [*kept, (b"x-request-id", raw_id)]
+                message["headers"] = [*kept, (b"x-request-id", echo)]
             await send(message)
 
+        if given is not None and not _sane(given):
+            bad = BadRequest(
+                "X-Request-Id is 1-128 characters: letters, digits, '-', '_' or '.'",
+                param="X-Request-Id",
+            )
+            await _refuse(bad, request_id, scope, receive, send_with_id)
+            return
         try:
             receive = await self._bounded(headers, receive)
             if scope["path"].startswith("/v1/") or scope["path"] == "/v1":
@@ -54,14 +73,14 @@ class EdgeMiddleware:
                     headers.get(b"authorization", b"").decode("latin-1") or None
                 )
         except APIError as exc:
-            await error_response(exc, request_id)(scope, receive, send_with_id)
+            await _refuse(exc, request_id, scope, receive, send_with_id)
             return
         except RedisError as exc:
             log.warning("auth unavailable", error=str(exc), request_id=request_id)
             error = ServiceUnavailable(
                 "authentication is unavailable", headers={"Retry-After": "1"}
             )
-            await error_response(error, request_id)(scope, receive, send_with_id)
+            await _refuse(error, request_id, scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
@@ -98,6 +117,45 @@ class EdgeMiddleware:
             return await receive()
 
         return replay
+
+
+# A refusal at the edge first reads (and drops) what the client still sends of its body,
+# up to these bounds: a server that answers and closes with unread data in the socket
+# resets the connection, and the client never sees its 413 or 401.
+DRAIN_MAX_BYTES = 256 * 1024 * 1024
+DRAIN_MAX_S = 15.0
+
+
+async def _drain(receive: Receive) -> bool:
+    """Read the rest of the request body (bounded); True if it all arrived."""
+    read = 0
+    try:
+        async with asyncio.timeout(DRAIN_MAX_S):
+            while read <= DRAIN_MAX_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return False
+                read += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return True
+    except TimeoutError:
+        pass
+    return False
+
+
+async def _refuse(
+    error: APIError, request_id: str, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Answer ``error`` before any route ran, so that the client reads it."""
+    drained = await _drain(receive)
+    response = error_response(error, request_id)
+    if not drained:
+        response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
+def _sane(given: bytes | None) -> bool:
+    return given is not None and 0 < len(given) <= 128 and set(given) <= _ALLOWED_ID
 
 
 def _too_large(bound: int) -> PayloadTooLarge:

@@ -57,6 +57,7 @@ _RATE_LIMIT_HEADERS = {
 _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     400: ("Invalid request: malformed JSON, a wrong type or value, or a bad header.", {}),
     401: ("Missing or unknown API key (once the gateway has keys).", {}),
+    403: ("The tenant's limits do not allow this (a class it may not use).", {}),
     404: ("Unknown model, or no such resource for this tenant.", {}),
     409: ("The resource is in a state that does not allow this.", {}),
     413: ("The request body is over the configured bound.", {}),

@@ -46,6 +46,8 @@ log = structlog.get_logger(__name__)
 
 # A chunk with this seq (workers start at 1) tells a stream its job was lost.
 LOST_SEQ = 0
+# A gateway's liveness key lives this long without a refresh (ms).
+PRESENCE_MS = 10_000
 
 
 class SlowConsumer(Disconnected):
@@ -57,6 +59,7 @@ class ReplyStream:
 
     def __init__(self, inbox: Inbox, request_id: str, maxsize: int) -> None:
         self.request_id = request_id
+        self.tenant = ""
         self._inbox = inbox
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue(maxsize)
         self._overflowed = False
@@ -162,15 +165,20 @@ class Inbox:
         gateway_id: str,
         queue_size: int = 1024,
         watchdog_s: float = 5.0,
+        presence_ms: int = PRESENCE_MS,
     ) -> None:
+        self.gateway_id = gateway_id
         self.channel = keys.inbox(gateway_id)
+        self._presence_ms = presence_ms
+        self._presence: asyncio.Task[None] | None = None
         self._watchdog_s = watchdog_s
         self._watchdog: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
-        self._redis = redis
-        self._keys = keys
+        self.redis = self._redis = redis
+        self.keys = self._keys = keys
         self._queue_size = queue_size
         self._streams: dict[str, ReplyStream] = {}
+        self._by_tenant: dict[str, int] = {}
         self._pubsub: aioredis.client.PubSub | None = None
         self._task: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
@@ -180,27 +188,60 @@ class Inbox:
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(self.channel)
         self.subscribed.set()
+        await self._announce()
         self._task = asyncio.create_task(self._run(), name="inbox")
         self._watchdog = asyncio.create_task(self._watch(), name="inbox-watchdog")
+        self._presence = asyncio.create_task(self._stay_present(), name="inbox-presence")
 
     async def close(self) -> None:
         """Stop dispatching and unsubscribe."""
-        tasks = [t for t in (self._task, self._watchdog, self._recovery) if t is not None]
+        tasks = [t for t in (self._task, self._watchdog, self._recovery, self._presence) if t]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._pubsub is not None:
             await self._pubsub.aclose()
+        try:
+            # Gone: workers drop what only this process would have relayed.
+            await self._redis.delete(self._keys.gateway_alive(self.gateway_id))
+        except RedisError as exc:
+            log.warning("could not withdraw the gateway's presence", error=str(exc))
 
-    def open(self, request_id: str) -> ReplyStream:
+    async def _announce(self) -> None:
+        await self._redis.set(self._keys.gateway_alive(self.gateway_id), b"1", px=self._presence_ms)
+
+    async def _stay_present(self) -> None:
+        """Refresh this gateway's liveness key (a third of its TTL apart): while it lives,
+        workers run the jobs only this gateway can relay; once it expires, they drop them
+        (a resumable job runs on: any gateway can serve its log)."""
+        while True:
+            await asyncio.sleep(self._presence_ms / 3000)
+            try:
+                await self._announce()
+            except RedisError as exc:
+                log.warning("gateway presence not refreshed", error=str(exc))
+
+    def open(self, request_id: str, tenant: str = "") -> ReplyStream:
         """Register a request before it is enqueued, so no chunk can arrive unrouted."""
         stream = ReplyStream(self, request_id, self._queue_size)
+        stream.tenant = tenant
         self._streams[request_id] = stream
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
         return stream
 
     def release(self, request_id: str) -> None:
         """Forget a request (done, failed or abandoned)."""
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            left = self._by_tenant.get(stream.tenant, 1) - 1
+            if left > 0:
+                self._by_tenant[stream.tenant] = left
+            else:
+                self._by_tenant.pop(stream.tenant, None)
+
+    def open_for(self, tenant: str) -> int:
+        """Replies of ``tenant`` this inbox routes now."""
+        return self._by_tenant.get(tenant, 0)
 
     @property
     def active(self) -> int:

@@ -15,12 +15,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
 from cluster.wire.replylog import REPLY_FIELD
-from gateway.http.errors import BadRequest, GatewayTimeout, NotFound
+from cluster.wire.vocabulary import DropReason
+from gateway.http.errors import BadRequest, GatewayTimeout, NotFound, refused
 from gateway.streaming.sse import DONE, ChunkFormatter, error_event
 
 
@@ -66,6 +69,34 @@ def parse_last_event_id(value: str | None) -> int:
     return seq
 
 
+async def follow(
+    redis: aioredis.Redis, keys: Keys, request_id: str, after_seq: int, idle_timeout_s: float
+) -> AsyncIterator[Chunk]:
+    """Every chunk of a reply after ``after_seq``, from its log, then live as the worker
+    appends them, until the final one. ``TimeoutError`` when nothing arrives for
+    ``idle_timeout_s``."""
+    reply_log_key = keys.reply_log(request_id)
+    cursor = "0-0"
+    idle_ms = 0.0
+    block_ms = 1000
+    while True:
+        answer: Any = await redis.xread({reply_log_key: cursor}, count=256, block=block_ms)
+        if not answer:
+            idle_ms += block_ms
+            if idle_ms >= idle_timeout_s * 1000:
+                raise TimeoutError("the reply stopped arriving")
+            continue
+        idle_ms = 0.0
+        for entry_id, fields in answer[0][1]:
+            cursor = entry_id
+            chunk = protocol.decode_as(fields[REPLY_FIELD], Chunk)
+            if chunk.seq <= after_seq:
+                continue
+            yield chunk
+            if chunk.is_final:
+                return
+
+
 async def replay(
     redis: aioredis.Redis,
     keys: Keys,
@@ -83,25 +114,84 @@ async def replay(
         role_sent=after_seq > 0,
         event_ids=True,
     )
-    reply_log_key = keys.reply_log(request_id)
-    cursor = "0-0"
-    idle_ms = 0.0
-    block_ms = 1000
-    while True:
-        answer: Any = await redis.xread({reply_log_key: cursor}, count=256, block=block_ms)
-        if not answer:
-            idle_ms += block_ms
-            if idle_ms >= idle_timeout_s * 1000:
-                yield error_event(GatewayTimeout("the reply stopped arriving").body())
-                yield DONE
-                return
-            continue
-        idle_ms = 0.0
-        for entry_id, fields in answer[0][1]:
-            cursor = entry_id
-            chunk = protocol.decode_as(fields[REPLY_FIELD], Chunk)
-            if chunk.seq <= after_seq:
-                continue
+    try:
+        async for chunk in follow(redis, keys, request_id, after_seq, idle_timeout_s):
             yield fmt.render(chunk)
-            if chunk.is_final:
-                return
+    except TimeoutError:
+        yield error_event(GatewayTimeout("the reply stopped arriving").body())
+        yield DONE
+
+
+async def collect(
+    redis: aioredis.Redis, keys: Keys, request_id: str, idle_timeout_s: float
+) -> tuple[str, Chunk]:
+    """A whole reply from its log (waiting for the rest), and its final chunk."""
+    parts: list[str] = []
+    final: Chunk | None = None
+    try:
+        async for chunk in follow(redis, keys, request_id, 0, idle_timeout_s):
+            parts.append(chunk.text)
+            final = chunk
+    except TimeoutError as exc:
+        raise GatewayTimeout("the reply stopped arriving") from exc
+    assert final is not None
+    return "".join(parts), final
+
+
+class Readers:
+    """Bounds the replies read from their logs at once (the resume route, and a request
+    attached to another's reply by its idempotency key): in all, and per tenant.
+
+    Each reader holds a Redis connection in a blocking read, so readers get a connection
+    pool of their own (``redis``), as large as the bound: however many readers a tenant
+    opens, the connections the chat path needs are never theirs.
+    """
+
+    def __init__(self, redis: aioredis.Redis, max_readers: int) -> None:
+        self.redis = redis
+        self._max = max_readers
+        self._open = 0
+        self._by_tenant: dict[str, int] = {}
+
+    def admit(self, tenant: str, tenant_max: int) -> None:
+        """Count one more reader of ``tenant``; 429 when a bound is reached."""
+        own = self._by_tenant.get(tenant, 0)
+        if self._open >= self._max or (tenant_max and own >= tenant_max):
+            raise refused(
+                DropReason.TENANT_QUEUE_FULL if self._open < self._max else DropReason.QUEUE_FULL,
+                "too many replies are being read from their logs at once; try again shortly",
+                1,
+            )
+        self._open += 1
+        self._by_tenant[tenant] = own + 1
+
+    def release(self, tenant: str) -> None:
+        """One reader of ``tenant`` is done."""
+        self._open -= 1
+        left = self._by_tenant.get(tenant, 1) - 1
+        if left > 0:
+            self._by_tenant[tenant] = left
+        else:
+            self._by_tenant.pop(tenant, None)
+
+    def response(
+        self, tenant: str, body: AsyncIterator[bytes], headers: dict[str, str]
+    ) -> StreamingResponse:
+        """An SSE response that releases its reader when the response is over, whether
+        its body ran, stopped early, or never started."""
+        return _ReaderResponse(self, tenant, body, headers)
+
+
+class _ReaderResponse(StreamingResponse):
+    def __init__(
+        self, readers: Readers, tenant: str, body: AsyncIterator[bytes], headers: dict[str, str]
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._readers = readers
+        self._tenant = tenant
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._readers.release(self._tenant)

@@ -193,7 +193,7 @@ async def test_queue_round_trip(client: aioredis.Redis, server_name: str) -> Non
     """Lua-scripted enqueue/claim works for the ACL user, in clear and over TLS."""
     queue = JobQueue(client, Keys(f"sec-{server_name}"))
     assert await queue.enqueue(job("j1"))
-    assert [j.id for j in await queue.claim("w1", 10, lease_ms=1000)] == ["j1"]
+    assert [j.id for j in (await queue.claim("w1", 10, lease_ms=1000)).jobs] == ["j1"]
 
 
 @SERVERS

@@ -18,6 +18,7 @@ from cluster.runtime.net import free_port
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from gateway.app import create_app
+from gateway.http.server import PROTOCOL
 from tests.fakes import FakeEngine
 from workers.loop.config import ConsumerConfig
 from workers.loop.consumer import Consumer
@@ -45,6 +46,8 @@ async def serve_gateway(settings: Settings, app: FastAPI | None = None) -> Async
             log_config=None,
             lifespan="on",
             access_log=False,
+            # What charserve gateway runs: httptools with a header-read timeout.
+            http=PROTOCOL,
         )
     )
     task = asyncio.create_task(server.serve())

@@ -110,7 +110,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 async def stack(redis_url: str, model_path: str) -> AsyncIterator[Stack]:
-    settings = gateway_settings(redis_url, model_path, auth_cache_s=0)
+    settings = gateway_settings(redis_url, model_path, auth="keys", auth_cache_s=0)
     keys = Keys(settings.namespace)
     from cluster.runtime.redis_client import connect
 

@@ -160,12 +160,16 @@ async def test_concurrent_streams_arrive_whole(http: httpx.AsyncClient) -> None:
         assert text == "".join(f" t{i}" for i in range(10 + n))
 
 
-async def test_extra_fields_are_accepted_and_passed_on(
+def job_id(resp: httpx.Response) -> str:
+    """The server's id of a completed request (its completion id without the prefix)."""
+    return str(resp.json()["id"]).removeprefix("chatcmpl-")
+
+
+async def test_sampling_fields_reach_the_engine_and_nothing_else_is_carried(
     http: httpx.AsyncClient, gateway: Gateway
 ) -> None:
     resp = await http.post(
         "/v1/chat/completions",
-        headers={"X-Request-Id": "extras-1"},
         json={
             "model": MODEL,
             "messages": MESSAGES,
@@ -177,9 +181,8 @@ async def test_extra_fields_are_accepted_and_passed_on(
         },
     )
     assert resp.status_code == 200, resp.text
-    sampling = gateway.engine.jobs["extras-1"].sampling
-    assert sampling["top_k"] == 5 and sampling["mirostat_mode"] == 2
-    assert sampling["temperature"] == 0.7 and sampling["stop"] == ["END"]
+    sampling = gateway.engine.jobs[job_id(resp)].sampling
+    assert sampling == {"top_k": 5, "temperature": 0.7, "stop": ["END"]}
 
 
 def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
@@ -268,29 +271,30 @@ async def test_bad_admission_headers_are_a_400(
 async def test_deadline_reaches_the_engine_as_priority(
     http: httpx.AsyncClient, gateway: Gateway
 ) -> None:
-    for rid, budget in (("fast", "100"), ("slow", "100000")):
+    ids = {}
+    for name, budget in (("fast", "100"), ("slow", "100000")):
         resp = await http.post(
             "/v1/chat/completions",
-            headers={"X-Request-Id": rid, "X-Latency-Budget-Ms": budget},
+            headers={"X-Latency-Budget-Ms": budget},
             json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
         )
         assert resp.status_code == 200
+        ids[name] = job_id(resp)
     prio = gateway.engine.priorities
-    assert prio["fast"] < prio["slow"]
-    job = gateway.engine.jobs["slow"]
+    assert prio[ids["fast"]] < prio[ids["slow"]]
+    job = gateway.engine.jobs[ids["slow"]]
     assert job.deadline_ms - job.arrival_ms == 100_000 and job.priority_class == "interactive"
 
 
 async def test_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as client:
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": "walk-away"}
-        ) as resp:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
+                    walked = json.loads(line[6:])["id"].removeprefix("chatcmpl-")
                     break
-    await gateway.engine.wait_until(lambda: "walk-away" in gateway.engine.aborted, timeout_s=5)
+    await gateway.engine.wait_until(lambda: walked in gateway.engine.aborted, timeout_s=5)
 
 
 async def test_worker_error_before_first_token_gets_a_status(

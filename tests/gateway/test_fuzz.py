@@ -188,8 +188,8 @@ def open_gateway(redis_url: str, model_path: str) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def keyed_gateway(redis_url: str, model_path: str) -> Iterator[Served]:
-    """A gateway whose namespace has an API key (and no lookup cache)."""
-    settings = fuzz_settings(redis_url, model_path, auth_cache_s=0)
+    """A gateway that needs API keys, whose namespace has one (and no lookup cache)."""
+    settings = fuzz_settings(redis_url, model_path, auth_cache_s=0, auth="keys")
     with served(redis_url, settings) as gateway:
 
         async def make_key() -> None:

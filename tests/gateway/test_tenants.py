@@ -24,7 +24,7 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 async def keyed(redis_url: str, model_path: str) -> AsyncIterator[Gateway]:
     """A gateway whose namespace has API keys, with no lookup cache and small bounds."""
     settings = gateway_settings(
-        redis_url, model_path, auth_cache_s=0, max_body_bytes=4096, max_messages=8
+        redis_url, model_path, auth="keys", auth_cache_s=0, max_body_bytes=4096, max_messages=8
     )
     keys = Keys(settings.namespace)
     engine = FakeEngine(max_slots=8, delay_s=0.001)
@@ -49,23 +49,31 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+async def keyed_tables_are_empty(api_keys: ApiKeys) -> bool:
+    return await api_keys.list() == []
+
+
 async def test_keys_are_stored_hashed(api_keys: ApiKeys, redis: aioredis.Redis, keys: Keys) -> None:
     store = ApiKeys(redis, keys)
     key, record = await store.create("acme", "ci")
     assert key.startswith(f"csk-{record.id}-")
     dump = b"".join(await redis.hvals(keys.api_keys)) + b"".join(await redis.hkeys(keys.api_keys))
     assert key.encode() not in dump
-    assert (await store.lookup(key))[1] == record
+    assert await store.lookup(key) == record
     assert [r.id for r in await store.list()] == [record.id]
     assert await store.revoke(record.id)
-    assert await store.lookup(key) == (False, None)
+    assert await store.lookup(key) is None
     with pytest.raises(ValueError):
         await store.create("no spaces allowed")
 
 
-async def test_every_v1_route_needs_a_key_once_one_exists(
-    keyed: Gateway, api_keys: ApiKeys
-) -> None:
+async def test_every_v1_route_needs_a_key(keyed: Gateway, api_keys: ApiKeys) -> None:
+    async with httpx.AsyncClient(base_url=keyed.base_url, timeout=30) as http:
+        # Before any key exists (a fresh Redis, a failover to an empty replica, a mistyped
+        # namespace): 401, never an open door.
+        assert await keyed_tables_are_empty(api_keys)
+        empty = await http.post("/v1/chat/completions", json=BODY)
+        assert empty.status_code == 401, empty.text
     key, _ = await api_keys.create("acme")
     async with httpx.AsyncClient(base_url=keyed.base_url, timeout=30) as http:
         schema = (await http.get("/openapi.json")).json()

@@ -162,3 +162,53 @@ async def test_chunks_of_every_size_are_logged_from_the_inbox_message(
     finally:
         await publisher.close()
         await pubsub.aclose()
+
+
+async def test_a_worker_that_lost_the_lease_cannot_publish(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """The lease fences publishing: chunks of a job another worker owns now are neither
+    logged nor sent, and the job comes back to the publisher's owner to drop."""
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("inbox-a")
+    await redis.hset(keys.owners, mapping={"mine": "w", "taken": "other-worker"})
+    publisher = Publisher(redis, keys, worker_id="w")
+    fenced: list[str] = []
+    publisher.on_fenced = fenced.extend
+    streams = [_stream(rid, "inbox-a") for rid in ("mine", "taken", "free")]
+    try:
+        for stream in streams:
+            stream.add(EngineOutput(f" {stream.job.id}", [7], None, prompt_tokens=1))
+            publisher.mark(stream)
+        await publisher.start()
+        await publisher.flush()
+        [message] = await _published(pubsub)
+    finally:
+        await publisher.close()
+        await pubsub.aclose()
+    assert sorted(c.request_id for c in message) == ["free", "mine"]
+    assert fenced == ["taken"]
+    assert await read_reply_log(redis, keys, "taken") == []
+    assert [c.text for c in await read_reply_log(redis, keys, "mine")] == [" mine"]
+
+
+async def test_a_message_to_a_gateway_that_is_gone_is_reported(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    publisher = Publisher(redis, keys, worker_id="w")
+    gone: list[str] = []
+    publisher.on_gateway_gone = gone.extend
+    await redis.set(keys.gateway_alive("alive"), b"1")
+    # Nobody subscribes to either inbox; only one gateway's liveness key is gone.
+    streams = [_stream("a", keys.inbox("alive")), _stream("b", keys.inbox("dead"))]
+    try:
+        for stream in streams:
+            stream.add(EngineOutput(" x", [7], None, prompt_tokens=1))
+            publisher.mark(stream)
+        await publisher.start()
+        await publisher.flush()
+    finally:
+        await publisher.close()
+    assert gone == [keys.inbox("dead")]
+    # Both replies are still in their logs: a resumable one can be read from there.
+    assert len(await read_reply_log(redis, keys, "b")) == 1

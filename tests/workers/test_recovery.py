@@ -29,9 +29,9 @@ async def ghost_delivers(
     redis: aioredis.Redis, keys: Keys, queue: JobQueue, job_id: str, tokens: int
 ) -> None:
     """Play a worker that claims a job, streams ``tokens`` tokens, then dies silently."""
-    [job] = await queue.claim("ghost", 1, lease_ms=200)
+    [job] = (await queue.claim("ghost", 1, lease_ms=200)).jobs
     assert isinstance(job, Job) and job.id == job_id
-    publisher = Publisher(redis, keys)
+    publisher = Publisher(redis, keys, worker_id="ghost")
     await publisher.start()
     stream = RequestStream(job=job, worker_id="ghost", queue_ms=0.0)
     for i in range(tokens):

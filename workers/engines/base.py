@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.wire.protocol import Job
-from cluster.wire.vocabulary import PriorityClass
+from cluster.wire.vocabulary import BATCH_SCORE_OFFSET, PriorityClass
 
-# vLLM priorities at or above this are batch work (2**50 ms is ~35,000 years past any
-# deadline); see workers/engines/scheduler.py.
-BATCH_PRIORITY_BASE = 1 << 50
+# vLLM priorities at or above this are batch work (the queue's offset for batch jobs);
+# see workers/engines/scheduler.py.
+BATCH_PRIORITY_BASE = BATCH_SCORE_OFFSET
 
 
 def engine_priority(job: Job) -> int:

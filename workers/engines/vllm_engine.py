@@ -13,42 +13,17 @@ from typing import Any
 
 import structlog
 
-from cluster.wire.protocol import Job
+from cluster.wire.protocol import SAMPLING_FIELDS, Job
 from workers.engines.base import EngineOutput
 from workers.engines.config import EngineConfig
 from workers.errors import InvalidJobError
 
 log = structlog.get_logger(__name__)
 
-# Sampling fields a job may set; everything else vLLM's SamplingParams knows is either
-# set here (max_tokens, output_kind) or internal.
-_SAMPLING_FIELDS = frozenset(
-    {
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "min_tokens",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "include_stop_str_in_output",
-        "logit_bias",
-        "allowed_token_ids",
-        "bad_words",
-    }
-)
-
 
 def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
     """The subset of a job's sampling fields that vLLM's ``SamplingParams`` accepts."""
-    return {k: v for k, v in sampling.items() if k in _SAMPLING_FIELDS and v is not None}
+    return {k: v for k, v in sampling.items() if k in SAMPLING_FIELDS and v is not None}
 
 
 def _replica_placement_group() -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.wire.queue import QueuePolicy
-from cluster.wire.replylog import REPLY_LOG_TTL_S
+from cluster.wire.replylog import REPLY_LOG_MAXLEN, REPLY_LOG_TTL_S
 
 
 class ConsumerConfig(BaseModel):
@@ -35,6 +35,13 @@ class ConsumerConfig(BaseModel):
         ge=1,
         description="How long a reply can be resumed (its log lives); the gateways' "
         "CHARSERVE_REPLY_LOG_TTL_S, filled in by `charserve up` and `charserve deploy`.",
+    )
+    reply_log_max_chunks: int = Field(
+        default=REPLY_LOG_MAXLEN,
+        ge=16,
+        description="Chunks a reply log keeps; at least the longest reply the engine can "
+        "produce (the Serve args raise it to engine.max_model_len), so any reply can be "
+        "resumed from its start.",
     )
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="How long a stopping replica lets replies finish."

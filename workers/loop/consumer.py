@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from cluster.runtime.clock import now_ms
+from cluster.runtime.clock import RedisClock
 from cluster.runtime.prometheus import run_worker_exporter
 from cluster.runtime.redis_client import connect
 from cluster.wire import protocol
@@ -56,8 +56,11 @@ class Consumer:
         engine: Engine,
         config: ConsumerConfig,
         worker_id: str | None = None,
+        clock: RedisClock | None = None,
     ) -> None:
         self.worker_id = worker_id or new_worker_id()
+        # Deadlines and heartbeats are judged on Redis's clock, never this machine's.
+        self._clock = clock or RedisClock()
         self._url = redis_url
         self._keys = keys
         self._engine = engine
@@ -67,6 +70,7 @@ class Consumer:
         self._queue: JobQueue | None = None
         self._publisher: Publisher | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._jobs: dict[str, Job] = {}
         self._batch_running: set[str] = set()
         self._pacer = StartPacer(config.batch_starts_per_s, config.batch_start_burst)
         self._reserve = BatchReserve(
@@ -74,6 +78,9 @@ class Consumer:
         )
         self._handing_back = False
         self._lease_lost: set[str] = set()
+        # Cancels that arrived for jobs not registered yet (their claim's reply was still
+        # on its way), by id, with when they stop mattering (monotonic s).
+        self._early_cancels: dict[str, float] = {}
         # Set by close(): the background loops finish their current Redis command and
         # stop, rather than being cancelled in the middle of one (a command cancelled
         # midway can leave its connection unusable, and the client's close then hangs).
@@ -111,7 +118,11 @@ class Consumer:
             self._keys,
             interval_ms=self._config.publish_interval_ms,
             reply_log_ttl_s=self._config.reply_log_ttl_s,
+            reply_log_maxlen=self._config.reply_log_max_chunks,
+            worker_id=self.worker_id,
         )
+        self._publisher.on_fenced = self._abandon
+        self._publisher.on_gateway_gone = self._gateway_gone
         self._recovery = Recovery(
             self._redis,
             self._keys,
@@ -195,10 +206,11 @@ class Consumer:
                 self._pacer.available(),
             )
             try:
-                jobs = await self._queue.claim(
+                claimed = await self._queue.claim(
                     self.worker_id, free, self._config.lease_ms, batch_room
                 )
-                if not jobs:
+                self._clock.observe(claimed.now_ms)
+                if not claimed.jobs:
                     # Wake on an enqueue, or when paced batch work may start again.
                     wait_s = self._pacer.wait_s() or 1.0
                     await self._queue.wait_for_work(
@@ -209,8 +221,7 @@ class Consumer:
                 log.warning("claim failed", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
-            claimed_ms = now_ms()
-            for job in jobs:
+            for job in claimed.jobs:
                 if isinstance(job, Poison):
                     await self._recover_safely(job)
                     continue
@@ -219,8 +230,12 @@ class Consumer:
                 if job.priority_class == PriorityClass.BATCH:
                     self._batch_running.add(job.id)
                     self._pacer.take(1)
-                task = asyncio.create_task(self._run(job, claimed_ms), name=f"job-{job.id}")
+                task = asyncio.create_task(self._run(job, claimed.now_ms), name=f"job-{job.id}")
                 self._running[job.id] = task
+                self._jobs[job.id] = job
+                if self._early_cancels.pop(job.id, None) is not None:
+                    # Its cancel arrived before the claim's reply did.
+                    task.cancel()
             self._note_demand()
 
     def _note_demand(self) -> None:
@@ -275,6 +290,7 @@ class Consumer:
         finally:
             self._completed_since_beat += 1
             self._running.pop(job.id, None)
+            self._jobs.pop(job.id, None)
             self._batch_running.discard(job.id)
             self._note_demand()
             self._slot_freed.set()
@@ -286,7 +302,8 @@ class Consumer:
                 await self._hand_back(stream)
             else:
                 await asyncio.wait_for(stream.done.wait(), timeout=30.0)
-                await self._queue.ack(job.id, self.worker_id)
+                generated = stream.completion_tokens - len(job.resume_token_ids)
+                await self._queue.ack(job.id, self.worker_id, generated)
         except (TimeoutError, RedisError) as exc:
             # The lease will expire and the job is requeued: never silently lost.
             log.warning("could not finish job", error=str(exc))
@@ -346,6 +363,37 @@ class Consumer:
         else:
             self._prefill_ms_avg += 0.2 * (prefill_ms - self._prefill_ms_avg)
 
+    def _abandon(self, job_ids: list[str]) -> None:
+        """Give up jobs whose lease is no longer this worker's (found at renewal, or by
+        the publisher's lease fence), silently: each new owner continues its reply from
+        the log."""
+        assert self._publisher is not None
+        self.metrics.lease_lost(len(job_ids))
+        for job_id in job_ids:
+            task = self._running.get(job_id)
+            if task is not None and job_id not in self._lease_lost:
+                log.warning("lease lost, abandoning job", request_id=job_id)
+                self._lease_lost.add(job_id)
+                self._publisher.discard(job_id)
+                task.cancel()
+
+    def _gateway_gone(self, channels: list[str]) -> None:
+        """Stop the jobs only a gateway that is gone would have relayed (their replies
+        reach nobody; a resumable one runs on, for its client to read from the log)."""
+        gone = set(channels)
+        for job_id, task in list(self._running.items()):
+            job = self._jobs.get(job_id)
+            if job is not None and job.reply_to in gone and not job.resumable:
+                log.info("cancelling: its gateway is gone", request_id=job_id)
+                task.cancel()
+
+    def _note_early_cancel(self, job_id: str) -> None:
+        """Remember a cancel for a job this worker may be about to register."""
+        now = time.monotonic()
+        if len(self._early_cancels) > 1024:
+            self._early_cancels = {j: t for j, t in self._early_cancels.items() if t > now}
+        self._early_cancels[job_id] = now + 30.0
+
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         assert self._publisher is not None
         stream.fail(code, message)
@@ -372,6 +420,8 @@ class Consumer:
             if task is not None:
                 log.info("cancelling", request_id=cancel.request_id, reason=cancel.reason)
                 task.cancel()
+            else:
+                self._note_early_cancel(cancel.request_id)
         try:
             await asyncio.wait_for(pubsub.aclose(), 5)
         except (RedisError, TimeoutError):
@@ -398,7 +448,7 @@ class Consumer:
             worker_id=self.worker_id,
             max_slots=self._engine.max_slots,
             running=len(self._running),
-            ts_ms=now_ms(),
+            ts_ms=self._clock.now_ms(),
             decode_tokens_per_s=self._tokens_since_beat / elapsed,
             claimed_total=self._claimed_total,
             draining=self._stopping,
@@ -410,6 +460,7 @@ class Consumer:
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
         async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.time()
             pipe.zadd(self._keys.workers, {self.worker_id: stats.ts_ms})
             pipe.set(
                 self._keys.worker_stats(self.worker_id),
@@ -418,18 +469,10 @@ class Consumer:
                 # outlive a late beat (a loaded machine delays short periods the most).
                 px=max(self._config.heartbeat_ms * 3, 3000),
             )
-            await pipe.execute()
+            redis_time, *_ = await pipe.execute()
+        self._clock.observe(RedisClock.from_time_reply(redis_time))
         lost = await self._queue.renew(self.worker_id, list(self._running), self._config.lease_ms)
-        self.metrics.lease_lost(len(lost))
-        for job_id in lost:
-            log.warning("lease lost, abandoning job", request_id=job_id)
-            task = self._running.get(job_id)
-            if task is not None:
-                # Silently: the job's new owner continues the reply from the log.
-                self._lease_lost.add(job_id)
-                assert self._publisher is not None
-                self._publisher.discard(job_id)
-                task.cancel()
+        self._abandon(lost)
         if not self._stopping:
             for orphan in await self._queue.reclaim_expired(self.worker_id, self._config.lease_ms):
                 self.metrics.lease_expired()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -35,27 +36,45 @@ log = structlog.get_logger(__name__)
 # Bounds one Lua call (Redis runs nothing else meanwhile): about a millisecond of XADDs.
 MAX_CHUNKS_PER_CALL = 256
 
-# ARGV: maxlen, ttl_ms, the log's field name, the number n of inbox messages, then n
-# (channel, payload) pairs, then the indices into KEYS of the logs whose TTL to set (first
-# and final chunks). KEYS: the log key of every chunk, in the order the payloads hold them.
+# KEYS: 1 the owners hash (job id -> the worker holding its lease), then the reply-log key of
+# every chunk, in the order the payloads hold them. ARGV: 1 maxlen, 2 ttl_ms, 3 the log's
+# field name, 4 this worker's id, 5 the reply-log key prefix, 6 the gateway-alive key
+# prefix, 7 the inbox channel prefix, 8 the number n of inbox messages, then n (channel,
+# payload) pairs, then the indices into KEYS of the logs whose TTL to set (first and final
+# chunks).
 # Each payload is an encoded ChunkBatch, [kind, version, [chunk, ...]] (cluster.wire.protocol);
 # the script logs each chunk's bytes from it, so every chunk crosses the wire once. It
 # reads the msgpack framing itself: the cmsgpack of Redis 7.0 rejects bin items ("Bad data
 # format in input").
 # Every chunk is logged before anything is published: whatever a client may have seen is
 # then in the log, so a retry on another worker never repeats or skips text.
-_PUBLISH = """
-local maxlen, ttl, field, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+# Fenced by the lease: a chunk of a job whose lease another worker holds now (this one
+# stalled past its lease, and the job moved on) is neither logged nor published; its job
+# id comes back, for this worker to drop the job. A message published to nobody whose
+# gateway's liveness key is gone comes back as its channel: nobody will read those replies.
+# Returns {chunks logged, {fenced job ids}, {channels of gone gateways}}.
+_PUBLISH = """#!lua flags=allow-oom
+local maxlen, ttl, field, me = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local log_prefix, alive_prefix, inbox_prefix = ARGV[5], ARGV[6], ARGV[7]
+local n = tonumber(ARGV[8])
 local byte, sub = string.byte, string.sub
-local k = 0
+local k, logged, fenced, gone = 1, 0, {}, {}
+local function header(count)
+  if count < 16 then return string.char(0x90 + count) end
+  if count < 65536 then return string.char(0xdc, math.floor(count / 256), count % 256) end
+  return string.char(0xdd, math.floor(count / 16777216) % 256, math.floor(count / 65536) % 256,
+                     math.floor(count / 256) % 256, count % 256)
+end
 for j = 1, n do
-  local payload = ARGV[4 + 2 * j]
+  local payload = ARGV[8 + 2 * j]
   -- The items array's header follows the fixarray header, the kind (fixstr "chunks")
   -- and the version (fixint): 9 bytes. Each item is a msgpack bin 8, 16 or 32.
   local head, pos = byte(payload, 10), 11
   if head == 0xdc then pos = 13 elseif head == 0xdd then pos = 15 end
   local size = #payload
+  local kept, dropped = {}, false
   while pos <= size do
+    local start = pos
     local tag, a, b, c, d = byte(payload, pos, pos + 4)
     local len
     if tag == 0xc4 then
@@ -66,18 +85,42 @@ for j = 1, n do
       len, pos = ((a * 256 + b) * 256 + c) * 256 + d, pos + 5
     end
     k = k + 1
-    redis.call('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', field, sub(payload, pos, pos + len - 1))
+    local id = sub(KEYS[k], #log_prefix + 1)
+    local owner = redis.call('HGET', KEYS[1], id)
+    if owner and owner ~= me then
+      fenced[#fenced + 1] = id
+      dropped = true
+    else
+      local chunk = sub(payload, pos, pos + len - 1)
+      redis.call('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', field, chunk)
+      logged = logged + 1
+      kept[#kept + 1] = sub(payload, start, pos + len - 1)
+    end
     pos = pos + len
   end
+  if dropped then
+    -- Publish the chunks that were logged, framed again without the fenced ones.
+    ARGV[8 + 2 * j] = sub(payload, 1, 9) .. header(#kept) .. table.concat(kept)
+    if #kept == 0 then ARGV[8 + 2 * j] = '' end
+  end
 end
-for j = 5 + 2 * n, #ARGV do
-  redis.call('PEXPIRE', KEYS[tonumber(ARGV[j])], ttl)
+for j = 9 + 2 * n, #ARGV do
+  redis.call('PEXPIRE', KEYS[tonumber(ARGV[j]) + 1], ttl)
 end
 for j = 1, n do
-  redis.call('PUBLISH', ARGV[3 + 2 * j], ARGV[4 + 2 * j])
+  local channel, payload = ARGV[7 + 2 * j], ARGV[8 + 2 * j]
+  if payload ~= '' and redis.call('PUBLISH', channel, payload) == 0 then
+    if redis.call('EXISTS', alive_prefix .. sub(channel, #inbox_prefix + 1)) == 0 then
+      gone[#gone + 1] = channel
+    end
+  end
 end
-return k
+return {logged, fenced, gone}
 """
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(slots=True)
@@ -170,7 +213,13 @@ class Publisher:
         interval_ms: float = 0.0,
         reply_log_ttl_s: int = REPLY_LOG_TTL_S,
         reply_log_maxlen: int = REPLY_LOG_MAXLEN,
+        worker_id: str = "",
     ) -> None:
+        self.worker_id = worker_id
+        # Told the jobs whose chunks the lease fence refused (another worker owns them
+        # now), and the inboxes of gateways that are gone.
+        self.on_fenced: Callable[[list[str]], None] | None = None
+        self.on_gateway_gone: Callable[[list[str]], None] | None = None
         self._redis = redis
         self._keys = keys
         self._interval_s = interval_ms / 1000.0
@@ -306,20 +355,28 @@ class Publisher:
                 inboxes[out.stream.job.reply_to] = [out]
             else:
                 outs.append(out)
-        keys: list[bytes] = []
+        keys: list[bytes | str] = [self._keys.owners]
         expiring: list[int] = []
         args: list[bytes | str | int] = [
             self._reply_log_maxlen,
             self._reply_log_ttl_ms,
             REPLY_FIELD,
+            self.worker_id,
+            self._keys.reply_log(""),
+            self._keys.gateway_alive(""),
+            self._keys.inbox(""),
             len(inboxes),
         ]
         for channel, outs in inboxes.items():
             for out in outs:
                 keys.append(out.stream.reply_log_key)
                 if out.first or out.final:
-                    expiring.append(len(keys))
+                    expiring.append(len(keys) - 1)
             args.append(channel)
             args.append(self._encoder.batch([out.data for out in outs]))
         args.extend(expiring)
-        await self._script(keys=keys, args=args)
+        _, fenced, gone = await self._script(keys=keys, args=args)
+        if fenced and self.on_fenced is not None:
+            self.on_fenced([_text(x) for x in fenced])
+        if gone and self.on_gateway_gone is not None:
+            self.on_gateway_gone([_text(x) for x in gone])

@@ -26,7 +26,7 @@ from workers.loop.publisher import Publisher, RequestStream
 
 log = structlog.get_logger(__name__)
 
-Outcome = Literal["finished", "requeued", "dead_lettered", "lost_lease"]
+Outcome = Literal["finished", "requeued", "dead_lettered", "lost_lease", "cancelled"]
 
 
 def resumed(job: Job, delivered: list[Chunk], attempt: int) -> Job:
@@ -72,8 +72,13 @@ class Recovery:
             reason = f"the request failed on {attempt} workers in a row and was dead-lettered"
             return await self._dead_letter(job.id, protocol.encode(job), reason, job, delivered)
         retry = resumed(job, delivered, attempt)
-        if not await self._queue.requeue(retry, self._worker_id):
+        requeued = await self._queue.requeue(retry, self._worker_id)
+        if requeued == "lost":
             return "lost_lease"
+        if requeued == "cancelled":
+            # Cancelled while no worker held it: it ends here, with a clear last chunk.
+            await self._finish(retry, delivered, ErrorCode.CANCELLED, "the request was cancelled")
+            return "cancelled"
         log.warning(
             "job requeued",
             request_id=job.id,
@@ -94,16 +99,23 @@ class Recovery:
             return "lost_lease"
         log.error("job dead-lettered", request_id=job_id, reason=reason)
         if job is not None:
-            # The client's stream ends with a clear error, right after what it received.
-            last = delivered[-1] if delivered else None
-            stream = RequestStream(
-                job=resumed(job, delivered, job.attempt),
-                worker_id=self._worker_id,
-                queue_ms=0.0,
-                completion_tokens=last.completion_tokens if last else 0,
-                prompt_tokens=last.prompt_tokens if last else len(job.prompt_token_ids),
+            await self._finish(
+                resumed(job, delivered, job.attempt), delivered, ErrorCode.DEAD_LETTER, reason
             )
-            stream.fail(ErrorCode.DEAD_LETTER, reason)
-            self._publisher.mark(stream)
-            await asyncio.wait_for(stream.done.wait(), timeout=30.0)
         return "dead_lettered"
+
+    async def _finish(
+        self, job: Job, delivered: list[Chunk], code: ErrorCode, message: str
+    ) -> None:
+        """End the client's stream with a clear error, right after what it received."""
+        last = delivered[-1] if delivered else None
+        stream = RequestStream(
+            job=job,
+            worker_id=self._worker_id,
+            queue_ms=0.0,
+            completion_tokens=last.completion_tokens if last else 0,
+            prompt_tokens=last.prompt_tokens if last else len(job.prompt_token_ids),
+        )
+        stream.fail(code, message)
+        self._publisher.mark(stream)
+        await asyncio.wait_for(stream.done.wait(), timeout=30.0)
