@@ -17,6 +17,7 @@ from fastapi import Request
 
 from cluster.runtime import gc_policy
 from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.clock import RedisClock
 from cluster.runtime.redis_client import connect
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
@@ -57,6 +58,11 @@ class Services:
     batch_runner: BatchRunner
     readers: Readers
 
+    @property
+    def clock(self) -> RedisClock:
+        """Redis's time, as this process reads it (deadlines, freshness)."""
+        return self.capacity.clock
+
     @classmethod
     async def start(cls, settings: Settings, keys: Keys) -> Services:
         """Connect, subscribe, load the tokenizer and start every background task."""
@@ -92,7 +98,9 @@ class Services:
             queued=lambda: capacity.current.waiting,
             workers=lambda: capacity.current.workers,
         )
-        characters = CharacterStore(redis, keys)
+        characters = CharacterStore(
+            redis, keys, settings.session_ttl_s, settings.max_session_messages
+        )
         persona = PersonaChat(
             characters,
             prompts.count,
@@ -114,8 +122,8 @@ class Services:
             connect(settings.redis_url, blocking=True, max_connections=settings.max_resume_readers),
             settings.max_resume_readers,
         )
-        batch_store = BatchStore(redis, keys)
-        batch_runner = BatchRunner(batch_store, chat, queue, settings)
+        batch_store = BatchStore(redis, keys, settings.file_ttl_s)
+        batch_runner = BatchRunner(batch_store, chat, queue, settings, capacity.clock)
         await batch_runner.start()
         # Everything built so far (the tokenizer, transformers, the app) lives as long as
         # the process: out of the collector's sight, and collections spaced out.

@@ -78,7 +78,10 @@ class LocalStack:
         model = resolve_model(self.settings.model)
         redis_url = self.settings.redis_url
         if not redis_url:
-            self._redis = RedisServer(data_dir=self.settings.data_dir).start()
+            self._redis = RedisServer(
+                data_dir=self.settings.data_dir,
+                maxmemory_bytes=self.settings.redis_maxmemory_mb * 1024 * 1024,
+            ).start()
             redis_url = self._redis.url
             # `charserve keys` and other admin commands find the embedded Redis here.
             url_file(self.settings).write_text(redis_url + "\n")

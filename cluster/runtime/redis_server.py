@@ -76,8 +76,12 @@ class RedisServer:
         password: str | None = None,
         acl_user: tuple[str, str] | None = None,
         tls: TlsFiles | None = None,
+        maxmemory_bytes: int = 0,
     ) -> None:
         self.port = port or free_port()
+        # 0: no bound. Otherwise the server refuses writes past it (noeviction: charserve
+        # never lets Redis drop a job, a lease or a log to make room).
+        self.maxmemory_bytes = maxmemory_bytes
         self.data_dir = Path(data_dir).expanduser() if data_dir else None
         self.password = password
         self.acl_user = acl_user
@@ -149,6 +153,10 @@ class RedisServer:
                 folder,
                 "--protected-mode",
                 "yes",
+                "--maxmemory",
+                str(self.maxmemory_bytes),
+                "--maxmemory-policy",
+                "noeviction",
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,

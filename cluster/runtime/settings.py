@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis to use; unset in `charserve up` starts a local one."
     )
+    redis_maxmemory_mb: int = Field(
+        default=1024,
+        ge=0,
+        description="maxmemory of the Redis `charserve up` starts (noeviction: past it "
+        "Redis refuses new work, answered 503, and drops nothing; 0: no bound).",
+    )
     data_dir: str = Field(
         default="~/.local/share/charserve",
         description="Where `charserve up` keeps its Redis append-only file (and its URL).",
@@ -77,6 +83,12 @@ class Settings(BaseSettings):
     budget_batch_ms: int = Field(
         default=86_400_000, ge=1, description="TTFT budget of the batch class (a day)."
     )
+    admission_floor_ms: float = Field(
+        default=10.0,
+        ge=0,
+        description="The least time to first token admission assumes, before any worker "
+        "measured one: a budget below it is refused even on an idle cluster.",
+    )
     max_queued: int = Field(
         default=10_000, ge=1, description="Hard bound on waiting jobs (protects Redis memory)."
     )
@@ -104,6 +116,18 @@ class Settings(BaseSettings):
     )
     affinity_wait_ms: int = Field(
         default=500, ge=0, description="How long other replicas leave such a turn alone."
+    )
+    session_ttl_s: int = Field(
+        default=30 * 86_400,
+        ge=60,
+        description="A session idle this long is deleted (and stops counting against its "
+        "tenant's quota).",
+    )
+    max_session_messages: int = Field(
+        default=2_000,
+        ge=2,
+        description="Messages a session keeps (the oldest go first; prompts are cut to "
+        "the context window anyway).",
     )
     default_system_prompt: str = Field(
         default="", description="System prompt for characters whose card has none."
@@ -146,6 +170,12 @@ class Settings(BaseSettings):
         description="How long a reply can be resumed (its log lives).",
     )
     # The Batch API (gateway.batches).
+    file_ttl_s: int = Field(
+        default=30 * 86_400,
+        ge=60,
+        description="How long an uploaded file, a batch's output and error files, and a "
+        "finished batch are kept.",
+    )
     batch_lease_ms: int = Field(
         default=15_000,
         ge=100,

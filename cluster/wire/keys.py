@@ -192,6 +192,16 @@ class Keys:
         """Hash: character id -> JSON record (id, created, card)."""
         return self._key("characters", tenant)
 
+    def character_index(self, tenant: str) -> str:
+        """Hash: character id -> its summary (JSON: id, created, name, spec), so a listing
+        reads no card."""
+        return self._key("character-index", tenant)
+
+    def sessions(self, tenant: str) -> str:
+        """Sorted set: the tenant's session ids, score = last activity (ms): what counts
+        them against its quota, and what idle expiry prunes."""
+        return self._key("sessions", tenant)
+
     def character_worker(self, tenant: str) -> str:
         """Hash: character id -> the worker that last served it (its prefix cache)."""
         return self._key("character-worker", tenant)
@@ -217,6 +227,14 @@ class Keys:
     def files(self, tenant: str) -> str:
         """Sorted set: the tenant's file ids by creation (ms)."""
         return self._key("files", tenant)
+
+    def file_sizes(self, tenant: str) -> str:
+        """Hash: file id -> its size in bytes (what the tenant's byte quota sums)."""
+        return self._key("file-sizes", tenant)
+
+    def batches_open(self, tenant: str) -> str:
+        """Set: the tenant's batch ids not yet in a final state (its batch quota)."""
+        return self._key("batches-open", tenant)
 
     def batch_object(self, tenant: str, batch_id: str) -> str:
         """Hash: one batch's state."""

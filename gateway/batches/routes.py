@@ -122,7 +122,16 @@ def router() -> APIRouter:
         if len(data) > bound:
             raise PayloadTooLarge(f"the file is over {bound} bytes")
         with _store_errors():
-            file = await _store(request).put_file(tenant_of(request), filename, "batch", data)
+            tenant = tenant_of(request)
+            limits = await services(request).auth.limits(tenant)
+            file = await _store(request).put_file(
+                tenant,
+                filename,
+                "batch",
+                data,
+                max_files=limits.max_files,
+                max_bytes=limits.max_file_bytes,
+            )
         return file.body()
 
     @api.get(
@@ -214,7 +223,8 @@ def router() -> APIRouter:
                     f"file {file.id} has purpose {file.purpose!r}, not 'batch'",
                     param="input_file_id",
                 )
-            state = await store.create_batch(tenant, file.id, body.metadata)
+            limits = await services(request).auth.limits(tenant)
+            state = await store.create_batch(tenant, file.id, body.metadata, limits.max_batches)
         if state is None:
             raise _file_not_found(body.input_file_id)
         services(request).batch_runner.wake()

@@ -45,7 +45,7 @@ import structlog
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from cluster.runtime.clock import now_ms
+from cluster.runtime.clock import RedisClock
 from cluster.runtime.settings import Settings
 from cluster.wire.queue import JobQueue
 from cluster.wire.vocabulary import DropReason, ErrorCode
@@ -117,7 +117,9 @@ class BatchRunner:
         chat: ChatService,
         queue: JobQueue,
         settings: Settings,
+        clock: RedisClock | None = None,
     ) -> None:
+        self._clock = clock or RedisClock()
         self._store = store
         self._chat = chat
         self._queue = queue
@@ -414,7 +416,7 @@ class BatchRunner:
     async def _complete_once(
         self, state: BatchState, request: ChatCompletionRequest, line: InputLine, job_id: str
     ) -> bytes:
-        now = now_ms()
+        now = self._clock.now_ms()
         budget_ms = max(1, state.expires_at * 1000 - now)
         # The deadline is the batch's expiry: EDF runs older batches' lines first.
         admission = classify(self._settings, now, "batch", str(budget_ms))

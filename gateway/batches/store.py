@@ -50,6 +50,7 @@ from gateway.batches.objects import (
     new_batch_id,
     new_file_id,
 )
+from gateway.http.errors import QuotaExceeded
 
 
 def member(tenant: str, batch_id: str) -> str:
@@ -172,7 +173,7 @@ return 1
 # that. Reaching a final status removes the batch from the active set (member ARGV[5]) and
 # deletes its working keys. KEYS: obj, active, input, results, leases, owners.
 # Returns 'ok', or the current status when it is not one of ARGV[1] ('' if no batch).
-_TRANSITION = """
+_TRANSITION = """#!lua flags=allow-oom
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return '' end
 local allowed = false
@@ -182,12 +183,45 @@ end
 if not allowed then return st end
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[2] == 'completed' or ARGV[2] == 'failed' or ARGV[2] == 'expired'
    or ARGV[2] == 'cancelled' then
   redis.call('SREM', KEYS[2], ARGV[5])
   redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  -- A finished batch no longer counts against its tenant's quota, and its object lives
+  -- as long as its files do.
+  redis.call('SREM', KEYS[7], ARGV[6])
+  redis.call('PEXPIRE', KEYS[1], ARGV[7])
 end
+return 'ok'
+"""
+
+# Store a file unless it is new and the tenant's quota (count or bytes) refuses it; its
+# keys expire after ARGV[8] ms, and index entries past that are pruned first.
+# KEYS: file hash, file data, files index (by creation), sizes. ARGV: id, bytes,
+# created_at, filename, purpose, data, now ms, ttl ms, max files, max bytes (0: none).
+# Returns 'ok', 'files' or 'bytes'.
+_PUT_FILE = """#!lua
+local now, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - ttl)) do
+  redis.call('HDEL', KEYS[4], old)
+  redis.call('ZREM', KEYS[3], old)
+end
+if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 0 then
+  local max_files, max_bytes = tonumber(ARGV[9]), tonumber(ARGV[10])
+  if max_files > 0 and redis.call('ZCARD', KEYS[3]) >= max_files then return 'files' end
+  if max_bytes > 0 then
+    local total = tonumber(ARGV[2])
+    for _, size in ipairs(redis.call('HVALS', KEYS[4])) do total = total + tonumber(size) end
+    if total > max_bytes then return 'bytes' end
+  end
+end
+redis.call('HSET', KEYS[1], 'bytes', ARGV[2], 'created_at', ARGV[3], 'filename', ARGV[4],
+           'purpose', ARGV[5])
+redis.call('SET', KEYS[2], ARGV[6], 'PX', ttl)
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
 return 'ok'
 """
 
@@ -211,9 +245,11 @@ class Claim:
 class BatchStore:
     """Every Redis operation on files and batches."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int = 30 * 86_400) -> None:
         self._redis = redis
         self.keys = keys
+        self._ttl_ms = ttl_s * 1000
+        self._put_file = redis.register_script(_PUT_FILE)
         self._record = redis.register_script(_RECORD)
         self._claim = redis.register_script(_CLAIM)
         self._renew = redis.register_script(_RENEW)
@@ -230,23 +266,39 @@ class BatchStore:
         purpose: str,
         data: bytes,
         file_id: str | None = None,
+        *,
+        max_files: int = 0,
+        max_bytes: int = 0,
     ) -> FileObject:
-        """Store a file (an existing id is overwritten: finalizing is idempotent)."""
+        """Store a file (an existing id is overwritten: finalizing is idempotent); a new
+        one past the tenant's ``max_files`` or ``max_bytes`` is refused (429). Files
+        expire after the store's TTL."""
         file = FileObject(file_id or new_file_id(), len(data), int(time.time()), filename, purpose)
         k = self.keys
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
+        outcome = await self._put_file(
+            keys=[
                 k.file(tenant, file.id),
-                mapping={
-                    "bytes": file.bytes,
-                    "created_at": file.created_at,
-                    "filename": filename,
-                    "purpose": purpose,
-                },
-            )
-            pipe.set(k.file_data(tenant, file.id), data)
-            pipe.zadd(k.files(tenant), {file.id: now_ms()})
-            await pipe.execute()
+                k.file_data(tenant, file.id),
+                k.files(tenant),
+                k.file_sizes(tenant),
+            ],
+            args=[
+                file.id,
+                file.bytes,
+                file.created_at,
+                filename,
+                purpose,
+                data,
+                now_ms(),
+                self._ttl_ms,
+                max_files,
+                max_bytes,
+            ],
+        )
+        if as_text(outcome) == "files":
+            raise QuotaExceeded(f"this tenant stores {max_files} files, its limit")
+        if as_text(outcome) == "bytes":
+            raise QuotaExceeded(f"this tenant's files would hold more than {max_bytes} bytes")
         return file
 
     async def file(self, tenant: str, file_id: str) -> FileObject | None:
@@ -280,16 +332,24 @@ class BatchStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(k.file(tenant, file_id), k.file_data(tenant, file_id))
             pipe.zrem(k.files(tenant), file_id)
-            removed, _ = await pipe.execute()
+            pipe.hdel(k.file_sizes(tenant), file_id)
+            removed, *_ = await pipe.execute()
         return bool(removed)
 
     # -- batches --------------------------------------------------------------------
 
     async def create_batch(
-        self, tenant: str, input_file_id: str, metadata: dict[str, str] | None
+        self,
+        tenant: str,
+        input_file_id: str,
+        metadata: dict[str, str] | None,
+        max_open: int = 0,
     ) -> BatchState | None:
         """A new batch in ``validating``, with a private copy of its input file; None if
-        the input file vanished meanwhile."""
+        the input file vanished meanwhile; 429 when the tenant has ``max_open`` batches
+        not yet finished."""
+        if max_open and await self._redis.scard(self.keys.batches_open(tenant)) >= max_open:
+            raise QuotaExceeded(f"this tenant has {max_open} unfinished batches, its limit")
         now = int(time.time())
         state = BatchState(
             id=new_batch_id(),
@@ -328,6 +388,7 @@ class BatchStore:
             )
             pipe.zadd(k.batch_list(tenant), {state.id: now_ms()})
             pipe.sadd(k.batch_active, member(tenant, state.id))
+            pipe.sadd(k.batches_open(tenant), state.id)
             await pipe.execute()
         return state
 
@@ -373,7 +434,7 @@ class BatchStore:
         status it has instead ('' if there is no such batch)."""
         k = self.keys
         args: list[str | int] = [",".join(allowed), to, stamp, int(time.time())]
-        args.append(member(tenant, batch_id))
+        args += [member(tenant, batch_id), batch_id, self._ttl_ms]
         for name, value in fields.items():
             args += [name, value]
         outcome = await self._transition(
@@ -384,6 +445,7 @@ class BatchStore:
                 k.batch_results(tenant, batch_id),
                 k.batch_leases(tenant, batch_id),
                 k.batch_owners(tenant, batch_id),
+                k.batches_open(tenant),
             ],
             args=args,
         )

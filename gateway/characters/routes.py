@@ -4,6 +4,7 @@ see :mod:`gateway.characters.persona_chat`)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -81,17 +82,20 @@ def router() -> APIRouter:
         else:
             data = await request.body()
         try:
-            card = parse_card(data, content_type)
+            # Off the event loop: a card is up to 2 MiB of JSON (8 MiB as a PNG).
+            card = await asyncio.to_thread(parse_card, data, content_type)
         except CardError as exc:
             raise CardRejected(exc) from exc
-        character = await store(request).create_character(tenant_of(request), card)
+        tenant = tenant_of(request)
+        limits = await services(request).auth.limits(tenant)
+        character = await store(request).create_character(tenant, card, limits.max_characters)
         return character.body()
 
     @api.get("/v1/characters", responses=CHARACTER_LIST_RESPONSES)
     async def list_characters(request: Request) -> dict[str, Any]:
         """The tenant's characters."""
-        found = await store(request).characters(tenant_of(request))
-        return {"object": "list", "data": [c.summary() for c in found]}
+        found = await store(request).summaries(tenant_of(request))
+        return {"object": "list", "data": found}
 
     @api.get("/v1/characters/{character_id}", responses=CHARACTER_RESPONSES)
     async def get_character(character_id: str, request: Request) -> dict[str, Any]:
@@ -120,7 +124,10 @@ def router() -> APIRouter:
             )
         except CardError as exc:
             raise BadRequest(exc.message, param="greeting_index") from exc
-        session = await characters.create_session(tenant, character, body.user_name, greeting)
+        limits = await services(request).auth.limits(tenant)
+        session = await characters.create_session(
+            tenant, character, body.user_name, greeting, limits.max_sessions
+        )
         return {**session.body(), "greeting": greeting}
 
     @api.get("/v1/sessions/{session_id}", responses=SESSION_RESPONSES)

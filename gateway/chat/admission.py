@@ -80,19 +80,23 @@ class Rejection:
         return refused(self.reason, self.message, self.retry_after_s, self.status)
 
 
-def estimate_ttft_ms(capacity: Capacity, ahead: int) -> float | None:
-    """Estimated time to first token for a request with ``ahead`` jobs before it.
+def estimate_ttft_ms(
+    capacity: Capacity, ahead: int, prompt_tokens: int = 0, floor_ms: float = 0.0
+) -> float:
+    """Estimated time to first token for a request of ``prompt_tokens`` tokens with
+    ``ahead`` jobs before it.
 
-    With a free slot it is the recent prefill time; otherwise it must wait for
-    ``ahead - free + 1`` jobs to finish at the measured drain rate. None when there is no
-    measured drain rate yet (no evidence, so no refusal).
+    Its own prefill is the larger of the workers' recent prefill time, the cost of its
+    prompt at their per-token rate, and ``floor_ms`` (the least any request takes, known
+    before any worker measured anything). With a free slot that is all; otherwise it
+    first waits for ``ahead - free + 1`` jobs to finish at the measured drain rate (with
+    no measured rate yet, the wait is unknown: only its own prefill counts).
     """
-    if ahead < capacity.free_slots:
-        return capacity.prefill_ms
-    if capacity.completed_per_s <= 0.0:
-        return None
+    own = max(capacity.prefill_ms, capacity.prefill_ms_per_token * prompt_tokens, floor_ms)
+    if ahead < capacity.free_slots or capacity.completed_per_s <= 0.0:
+        return own
     to_finish = ahead - capacity.free_slots + 1
-    return to_finish / capacity.completed_per_s * 1000.0 + capacity.prefill_ms
+    return to_finish / capacity.completed_per_s * 1000.0 + own
 
 
 class Admitter:
@@ -147,8 +151,10 @@ class Admitter:
             # Under the fair share a tenant waits for its own jobs and one turn of every
             # other waiting tenant per job, not for everything queued.
             ahead = (await self._queue.position(job)).fair_ahead
-        estimate = estimate_ttft_ms(capacity, ahead)
-        if estimate is None or estimate <= budget_ms:
+        estimate = estimate_ttft_ms(
+            capacity, ahead, len(job.prompt_token_ids), self._settings.admission_floor_ms
+        )
+        if estimate <= budget_ms:
             return None
         return Rejection(
             DropReason.BUDGET,

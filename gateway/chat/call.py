@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 from fastapi.responses import StreamingResponse
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope, Send
 
@@ -29,12 +29,14 @@ from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import Enqueued, JobQueue, Share
 from cluster.wire.vocabulary import DropReason, ErrorCode, Outcome
 from gateway.http.errors import (
+    APIError,
     GatewayTimeout,
     ServiceUnavailable,
     SlowClient,
     from_worker,
     refused,
 )
+from gateway.http.handlers import redis_unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox, SlowConsumer
 from gateway.streaming.resume import RequestMeta
@@ -75,8 +77,10 @@ async def race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
     raise ClientGone
 
 
-def queue_unavailable() -> ServiceUnavailable:
-    """Redis did not answer: the client should retry shortly (nothing was queued)."""
+def queue_unavailable(exc: RedisError | None = None) -> APIError:
+    """Redis did not answer (or is full): the client should retry (nothing was queued)."""
+    if isinstance(exc, OutOfMemoryError):
+        return redis_unavailable(exc)
     return ServiceUnavailable("the queue is unavailable", headers={"Retry-After": "1"})
 
 
@@ -184,7 +188,7 @@ class ChatCall:
                 idempotency=idempotency,
             )
         except RedisError as exc:
-            raise queue_unavailable() from exc
+            raise queue_unavailable(exc) from exc
         if result.status == "queued":
             self._reply.enqueued = True
         elif result.status in _REFUSALS:

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from cluster.runtime.clock import now_ms
+from cluster.runtime.clock import RedisClock
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
@@ -32,6 +32,7 @@ class Capacity:
     free_slots: int = 0
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
     waiting: int = 0
     taken_at_s: float = 0.0
     # Free slots of each live (not draining) worker, for session affinity.
@@ -42,11 +43,13 @@ def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
     """Fold live workers' heartbeats into one snapshot (draining workers take no work)."""
     live = [s for s in stats if not s.draining]
     prefill = [s.prefill_ms for s in live if s.prefill_ms > 0]
+    per_token = [s.prefill_ms_per_token for s in live if s.prefill_ms_per_token > 0]
     return Capacity(
         workers=len(live),
         free_slots=sum(s.free_slots for s in live),
         completed_per_s=sum(s.completed_per_s for s in live),
         prefill_ms=max(prefill) if prefill else 0.0,
+        prefill_ms_per_token=max(per_token) if per_token else 0.0,
         waiting=waiting,
         taken_at_s=now_s,
         free_by_worker={s.worker_id: s.free_slots for s in live},
@@ -57,10 +60,16 @@ class CapacityView:
     """Owns the refresh task; :attr:`current` is the latest snapshot."""
 
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, heartbeat_ms: int, refresh_ms: int = 100
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        heartbeat_ms: int,
+        refresh_ms: int = 100,
+        clock: RedisClock | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
+        self.clock = clock or RedisClock()
         self._fresh_ms = 3 * heartbeat_ms
         self._refresh_s = refresh_ms / 1000.0
         self.current = Capacity()
@@ -93,14 +102,18 @@ class CapacityView:
             log.warning("capacity refresh failed", error=str(exc))
 
     async def refresh(self) -> Capacity:
-        """Read heartbeats and queue depth now."""
-        ids = await self._redis.zrangebyscore(self._keys.workers, now_ms() - self._fresh_ms, "+inf")
+        """Read heartbeats and queue depth now (and Redis's clock, which every deadline
+        and freshness judgement of this process follows)."""
+        fresh_from = self.clock.now_ms() - self._fresh_ms
+        ids = await self._redis.zrangebyscore(self._keys.workers, fresh_from, "+inf")
         stats: list[WorkerStats] = []
         async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.time()
             for worker_id in ids:
                 name = worker_id.decode() if isinstance(worker_id, bytes) else str(worker_id)
                 pipe.get(self._keys.worker_stats(name))
             pipe.zcard(self._keys.queue)
-            *raw, waiting = await pipe.execute()
+            redis_time, *raw, waiting = await pipe.execute()
+        self.clock.observe(RedisClock.from_time_reply(redis_time))
         stats = [protocol.decode_as(r, WorkerStats) for r in raw if r]
         return summarize(stats, int(waiting), time.monotonic())

@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from cluster.runtime.clock import now_ms
 from gateway.chat.admission import classify
 from gateway.chat.schemas import (
     CHAT_COMPLETION_EXTRA,
@@ -41,7 +40,7 @@ def router() -> APIRouter:
         s = services(request)
         admission = classify(
             s.settings,
-            now_ms(),
+            s.clock.now_ms(),
             request.headers.get("x-priority"),
             request.headers.get("x-latency-budget-ms"),
         )

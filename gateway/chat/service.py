@@ -302,7 +302,7 @@ class ChatService:
         try:
             return await self._auth.limits(tenant)
         except RedisError as exc:
-            raise queue_unavailable() from exc
+            raise queue_unavailable(exc) from exc
 
     def _within_limits(self, job: Job, limits: Limits) -> None:
         """What the tenant's limits allow this request: its class, its budget, and one
@@ -346,7 +346,7 @@ class ChatService:
                 self._admitter.free_by_worker(),
             )
         except RedisError as exc:
-            raise queue_unavailable() from exc
+            raise queue_unavailable(exc) from exc
 
     async def _charge(self, tenant: str, tokens: int, priority: str) -> dict[str, str]:
         """Take the request from the tenant's rate limits; the x-ratelimit headers."""
@@ -355,7 +355,7 @@ class ChatService:
         try:
             decision = await self._auth.take(tenant, tokens)
         except RedisError as exc:
-            raise queue_unavailable() from exc
+            raise queue_unavailable(exc) from exc
         except TooManyRequests:
             self._metrics.rejected(priority, DropReason.RATE_LIMITED)
             raise
@@ -365,7 +365,7 @@ class ChatService:
         try:
             await self._admitter.admit(job)
         except RedisError as exc:
-            raise queue_unavailable() from exc
+            raise queue_unavailable(exc) from exc
 
     def _recorder(self, turn: PersonaTurn) -> OnComplete:
         async def record(text: str, final: Chunk) -> None:

@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse
 from cluster.errors import CharserveError
 from cluster.wire.vocabulary import DropReason, ErrorCode
 
-ErrorType = Literal["invalid_request_error", "rate_limit_error", "server_error"]
+ErrorType = Literal[
+    "invalid_request_error", "rate_limit_error", "insufficient_quota", "server_error"
+]
 
 
 class APIError(CharserveError):
@@ -107,6 +109,15 @@ class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
     code = DropReason.RATE_LIMITED.value
+
+
+class QuotaExceeded(APIError):
+    """The tenant stores as many of something as its limits allow (429, OpenAI's
+    ``insufficient_quota``): nothing more is stored until it deletes some."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "quota_exceeded"
 
 
 class ServiceUnavailable(APIError):

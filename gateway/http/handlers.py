@@ -7,10 +7,11 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.http.context import request_id
-from gateway.http.errors import APIError, BadRequest, error_response
+from gateway.http.errors import APIError, BadRequest, ServiceUnavailable, error_response
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +49,21 @@ def http_error(exc: StarletteHTTPException) -> APIError:
     return error
 
 
+def redis_unavailable(exc: RedisError) -> APIError:
+    """Redis did not answer, or refused to store more (over its ``maxmemory``): 503 with
+    ``Retry-After``; nothing was written (every multi-step write is one script, which a
+    full Redis refuses whole)."""
+    if isinstance(exc, OutOfMemoryError):
+        log.warning("redis is full", error=str(exc))
+        return ServiceUnavailable(
+            "the service's storage is full; try again later",
+            code="storage_full",
+            headers={"Retry-After": "5"},
+        )
+    log.warning("redis unavailable", error=str(exc))
+    return ServiceUnavailable("a dependency (Redis) is unavailable", headers={"Retry-After": "1"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers on ``app``."""
 
@@ -62,6 +78,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(http_error(exc), request_id(request))
+
+    @app.exception_handler(RedisError)
+    async def _redis(request: Request, exc: RedisError) -> JSONResponse:
+        return error_response(redis_unavailable(exc), request_id(request))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from cluster.runtime.clock import now_ms
 from cluster.runtime.prometheus import CONTENT_TYPE, read_worker_metrics, render_all
 from gateway.http.openapi import ok
 from gateway.services import services
@@ -57,7 +56,7 @@ def router() -> APIRouter:
     async def ready(request: Request) -> JSONResponse:
         """Readiness: Redis answers, the inbox is subscribed, and a worker is claiming."""
         s = services(request)
-        fresh_ms = now_ms() - 3 * s.settings.heartbeat_ms
+        fresh_ms = s.clock.now_ms() - 3 * s.settings.heartbeat_ms
         try:
             workers = await s.redis.zcount(s.keys.workers, fresh_ms, "+inf")
         except RedisError:

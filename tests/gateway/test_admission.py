@@ -29,7 +29,17 @@ def test_estimate_uses_free_slots_then_the_drain_rate() -> None:
     assert estimate_ttft_ms(cap, ahead=1) == 50.0
     # 5 ahead, 2 free: 4 must finish first, at 4 per second.
     assert estimate_ttft_ms(cap, ahead=5) == pytest.approx(1050.0)
-    assert estimate_ttft_ms(Capacity(workers=1), ahead=3) is None  # no evidence yet
+    # No drain rate measured yet: the wait is unknown, only the request's own prefill counts.
+    assert estimate_ttft_ms(Capacity(workers=1), ahead=3) == 0.0
+
+
+def test_the_estimate_has_a_floor_and_grows_with_the_prompt() -> None:
+    idle = Capacity(workers=1, free_slots=4)
+    # Nothing measured yet: the floor still refuses a 1 ms budget.
+    assert estimate_ttft_ms(idle, ahead=0, prompt_tokens=50, floor_ms=10.0) == 10.0
+    measured = Capacity(workers=1, free_slots=4, prefill_ms=30.0, prefill_ms_per_token=0.5)
+    assert estimate_ttft_ms(measured, ahead=0, prompt_tokens=20) == 30.0
+    assert estimate_ttft_ms(measured, ahead=0, prompt_tokens=1000) == 500.0
 
 
 def test_summary_ignores_draining_workers() -> None:

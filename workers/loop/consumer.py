@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import socket
 import time
@@ -39,6 +40,11 @@ from workers.loop.recovery import Recovery
 from workers.loop.reserve import BatchReserve
 
 log = structlog.get_logger(__name__)
+
+# The prefill time a worker reports is its recent average for this long after the last
+# sample, then fades with this time constant.
+PREFILL_FRESH_S = 5.0
+PREFILL_FADE_S = 30.0
 
 
 def new_worker_id() -> str:
@@ -93,6 +99,7 @@ class Consumer:
         self._tokens_since_beat = 0
         self._completed_since_beat = 0
         self._prefill_ms_avg = 0.0
+        self._prefill_per_token = 0.0
         self._prefill_at_s = 0.0
         self._last_beat_s = time.monotonic()
         self.metrics = WorkerMetrics()
@@ -329,7 +336,8 @@ class Consumer:
             if stream.job.priority_class != PriorityClass.BATCH:
                 # Admission estimates latency-bound work: long batch prefills
                 # (multi-turn backfills) must not make it look infeasible.
-                self._note_prefill(stream.prefill_ms)
+                uncached = len(stream.job.prompt_token_ids) - out.cached_tokens
+                self._note_prefill(stream.prefill_ms, uncached)
         stream.add(out)
         self._tokens_since_beat += len(out.token_ids)
         self._publisher.mark(stream)
@@ -355,13 +363,24 @@ class Consumer:
             # Our lease on it expires in turn and another worker tries again.
             log.warning("recovery failed", request_id=job.id, error=str(exc))
 
-    def _note_prefill(self, prefill_ms: float) -> None:
-        # Exponential moving average: recent conditions matter most for admission.
+    def _note_prefill(self, prefill_ms: float, prompt_tokens: int) -> None:
+        # Exponential moving averages: recent conditions matter most for admission.
         self._prefill_at_s = time.monotonic()
+        per_token = prefill_ms / max(1, prompt_tokens)
         if self._prefill_ms_avg == 0.0:
-            self._prefill_ms_avg = prefill_ms
+            self._prefill_ms_avg, self._prefill_per_token = prefill_ms, per_token
         else:
             self._prefill_ms_avg += 0.2 * (prefill_ms - self._prefill_ms_avg)
+            self._prefill_per_token += 0.2 * (per_token - self._prefill_per_token)
+
+    def _reported_prefill_ms(self, now_s: float) -> float:
+        """The recent prefill time, fading once samples stop coming: a burst's figure
+        must not keep refusing work (refused work brings no new samples), yet an idle
+        cluster still knows roughly what a prefill costs."""
+        age_s = now_s - self._prefill_at_s
+        if age_s <= PREFILL_FRESH_S:
+            return self._prefill_ms_avg
+        return self._prefill_ms_avg * math.exp(-(age_s - PREFILL_FRESH_S) / PREFILL_FADE_S)
 
     def _abandon(self, job_ids: list[str]) -> None:
         """Give up jobs whose lease is no longer this worker's (found at renewal, or by
@@ -453,9 +472,8 @@ class Consumer:
             claimed_total=self._claimed_total,
             draining=self._stopping,
             completed_per_s=self._completed_since_beat / elapsed,
-            # A stale figure would keep refusing work after a burst (and refused work
-            # brings no new samples): report none once the last sample is old.
-            prefill_ms=self._prefill_ms_avg if now_s - self._prefill_at_s < 5.0 else 0.0,
+            prefill_ms=self._reported_prefill_ms(now_s),
+            prefill_ms_per_token=self._prefill_per_token,
         )
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
