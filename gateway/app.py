@@ -25,7 +25,6 @@ from gateway.http import probes
 from gateway.http.handlers import install_error_handlers
 from gateway.http.middleware import EdgeMiddleware
 from gateway.http.openapi import document_errors
-from gateway.http.server import HeaderTimeoutProtocol
 from gateway.services import Services
 from gateway.streaming.socket_writer import RAW_SEND
 
@@ -44,7 +43,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the gateway app; settings default to the environment."""
     settings = settings or Settings()
     configure_logging(settings.log_level, settings.log_format)
-    HeaderTimeoutProtocol.header_timeout_s = settings.header_timeout_s
     keys = Keys(settings.namespace)
 
     @asynccontextmanager
@@ -56,6 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await services.close()
 
     app = GatewayApp(title="charserve", version="0.1.0", lifespan=lifespan)
+    # Read by the HTTP protocol (gateway.http.server) for every connection.
+    app.state.header_timeout_s = settings.header_timeout_s
     for router in (
         chat_routes.router(),
         character_routes.router(),

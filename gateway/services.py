@@ -112,15 +112,11 @@ class Services:
         readers = Readers(
             connect(settings.redis_url, blocking=True, max_connections=settings.max_resume_readers),
             settings.max_resume_readers,
+            redis,
         )
         admitter = Admitter(settings, queue, capacity, metrics)
         chat = ChatService(
             settings, queue, inbox, prompts, admitter, auth, metrics, persona, readers=readers
-        )
-        # Readers of reply logs block on their own connections, never the chat path's.
-        readers = Readers(
-            connect(settings.redis_url, blocking=True, max_connections=settings.max_resume_readers),
-            settings.max_resume_readers,
         )
         batch_store = BatchStore(redis, keys, settings.file_ttl_s)
         batch_runner = BatchRunner(batch_store, chat, queue, settings, capacity.clock)

@@ -25,6 +25,8 @@ class FakeEngine:
         self._max_slots = max_slots
         self.delay_s = delay_s
         self.fail_with = fail_with
+        # Appended to every token's text (long replies for tests of slow readers).
+        self.padding = ""
         self.running = 0
         self.max_running_seen = 0
         self.started: list[str] = []
@@ -60,7 +62,7 @@ class FakeEngine:
                     await asyncio.sleep(self.delay_s)
                 last = i == job.max_tokens - 1
                 yield EngineOutput(
-                    text=f" t{i}",
+                    text=f" t{i}{self.padding}",
                     token_ids=[i],
                     finish_reason="length" if last else None,
                     prompt_tokens=len(job.prompt_token_ids),

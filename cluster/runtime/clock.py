@@ -25,18 +25,22 @@ class RedisClock:
 
     __slots__ = ("_local", "offset_ms")
 
-    def __init__(self, local: Callable[[], int] = now_ms) -> None:
+    def __init__(self, local: Callable[[], int] | None = None) -> None:
+        # None: this machine's wall clock (looked up at each reading).
         self._local = local
         self.offset_ms = 0
 
+    def _local_ms(self) -> int:
+        return self._local() if self._local is not None else now_ms()
+
     def now_ms(self) -> int:
         """Redis's time now, in ms (this machine's until the first :meth:`observe`)."""
-        return self._local() + self.offset_ms
+        return self._local_ms() + self.offset_ms
 
     def observe(self, redis_ms: int) -> None:
         """Note that Redis's clock read ``redis_ms`` just now (a ``TIME`` reply, or a
         script's ``now``); later readings follow it."""
-        self.offset_ms = redis_ms - self._local()
+        self.offset_ms = redis_ms - self._local_ms()
 
     @staticmethod
     def from_time_reply(reply: tuple[int, int] | list[int]) -> int:

@@ -156,6 +156,9 @@ class ChatCall:
         self._last: Chunk | None = None
         self._stream = stream
         self._ended = False
+        # Whether the job may be on the queue: from the enqueue until a reply says it was
+        # not (a refusal, or an idempotent attach); a Redis error leaves it "maybe".
+        self._maybe_queued = False
 
     # -- the reply, chunk by chunk -------------------------------------------------------
 
@@ -174,6 +177,7 @@ class ChatCall:
         unrouted). A queue or tenant cap refuses it with a 429 (503 if Redis does not
         answer); ``attached`` and ``conflict`` (the tenant's idempotency key names another
         job) are the caller's to serve."""
+        self._maybe_queued = True
         try:
             result = await self._queue.enqueue(
                 self.job,
@@ -189,6 +193,7 @@ class ChatCall:
             )
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
+        self._maybe_queued = result.status == "queued"
         if result.status == "queued":
             self._reply.enqueued = True
         elif result.status in _REFUSALS:
@@ -331,7 +336,8 @@ class ChatCall:
         finished = self._last is not None and self._last.is_final
         reason = _CANCEL_REASONS.get(outcome)
         if (
-            not finished
+            self._maybe_queued
+            and not finished
             and reason is not None
             and (outcome == Outcome.ERROR or not self._resumable)
         ):

@@ -19,7 +19,7 @@ from gateway.chat.schemas import (
 from gateway.chat.service import ChatContext
 from gateway.http.context import client_request_id, flag, request_id, tenant
 from gateway.services import services
-from gateway.streaming.resume import load_meta, parse_last_event_id, replay
+from gateway.streaming.resume import parse_last_event_id, replay
 from gateway.streaming.socket_writer import RAW_SEND
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -69,8 +69,8 @@ def router() -> APIRouter:
         caller = tenant(request)
         job_id = completion_id.removeprefix("chatcmpl-")
         after = parse_last_event_id(request.headers.get("last-event-id"))
-        meta = await load_meta(s.readers.redis, s.keys, job_id, caller)
-        s.readers.admit(caller, (await s.auth.limits(caller)).max_streams)
+        limits = await s.auth.limits(caller)
+        meta = await s.readers.begin(s.keys, job_id, caller, limits.max_streams)
         events = replay(s.readers.redis, s.keys, job_id, meta, after, s.settings.request_timeout_s)
         return s.readers.response(caller, events, _SSE_HEADERS)
 

@@ -57,7 +57,7 @@ from gateway.http.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
-from gateway.streaming.resume import Readers, RequestMeta, collect, load_meta, replay
+from gateway.streaming.resume import Readers, RequestMeta, collect, replay
 from gateway.streaming.sse import ChunkFormatter, completion_body
 
 log = structlog.get_logger(__name__)
@@ -122,7 +122,7 @@ class ChatService:
     ) -> None:
         self._settings = settings
         # Attached requests read another's reply from its log, as resume readers do.
-        self._readers = readers or Readers(inbox.redis, 64)
+        self._readers = readers or Readers(inbox.redis, 64, inbox.redis)
         self._keys = inbox.keys
         self._auth = auth
         self._persona = persona
@@ -231,10 +231,9 @@ class ChatService:
                 code="request_id_reused",
             )
         readers, job_id = self._readers, enqueued.job_id
-        meta = await load_meta(readers.redis, self._keys, job_id, ctx.tenant)
         timeout_s = self._settings.request_timeout_s
         limits = await self._limits(ctx.tenant)
-        readers.admit(ctx.tenant, limits.max_streams)
+        meta = await readers.begin(self._keys, job_id, ctx.tenant, limits.max_streams)
         if request.stream:
             events = replay(readers.redis, self._keys, job_id, meta, 0, timeout_s)
             return readers.response(ctx.tenant, events, {**SSE_HEADERS, **headers})

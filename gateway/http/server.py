@@ -4,7 +4,7 @@ a client may take to send a request's headers.
 uvicorn times out only idle keep-alive connections: a client that opens a connection and
 sends its headers a byte at a time (or never) holds a connection and its buffers for as
 long as it likes, and enough such clients exhaust the server. Here each request's headers
-must arrive within :attr:`HeaderTimeoutProtocol.header_timeout_s` of its first byte (of the
+must arrive within the app's ``state.header_timeout_s`` of its first byte (of the
 connection, for the first request); the connection is closed otherwise. ``charserve
 gateway`` runs uvicorn with this protocol (``http="gateway.http.server:HeaderTimeoutProtocol"``).
 """
@@ -12,6 +12,7 @@ gateway`` runs uvicorn with this protocol (``http="gateway.http.server:HeaderTim
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -21,14 +22,32 @@ log = structlog.get_logger(__name__)
 PROTOCOL = "gateway.http.server:HeaderTimeoutProtocol"
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """httptools with a header-read timeout (set from settings when the app is built)."""
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
-    header_timeout_s: float = 10.0
+
+def header_timeout_s(app: Any) -> float:
+    """The app's ``state.header_timeout_s``, looking through the middleware uvicorn wraps
+    around it (the gateway app sets it from its settings)."""
+    for _ in range(8):
+        state = getattr(app, "state", None)
+        found = getattr(state, "header_timeout_s", None)
+        if isinstance(found, int | float):
+            return float(found)
+        app = getattr(app, "app", None)
+        if app is None:
+            break
+    return DEFAULT_HEADER_TIMEOUT_S
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    """httptools with a header-read timeout (the app's, from its settings)."""
+
     _header_timer: asyncio.TimerHandle | None = None
+    _header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._header_timeout_s = header_timeout_s(self.app)
         self._arm()
 
     def on_message_begin(self) -> None:
@@ -45,7 +64,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
+            self._header_timer = self.loop.call_later(self._header_timeout_s, self._too_slow)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -54,5 +73,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         self._header_timer = None
-        log.info("closing a connection whose request headers did not arrive in time")
+        log.info(
+            "closing a connection whose request headers did not arrive in time",
+            timeout_s=self._header_timeout_s,
+        )
         self.transport.close()

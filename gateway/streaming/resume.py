@@ -144,14 +144,28 @@ class Readers:
 
     Each reader holds a Redis connection in a blocking read, so readers get a connection
     pool of their own (``redis``), as large as the bound: however many readers a tenant
-    opens, the connections the chat path needs are never theirs.
+    opens, the connections the chat path needs are never theirs. A reader is counted before
+    anything waits on that pool, and its request's metadata is read through the main
+    connections (``lookup``), so a reader past the bound is refused at once instead of
+    queueing for a connection the admitted readers hold.
     """
 
-    def __init__(self, redis: aioredis.Redis, max_readers: int) -> None:
+    def __init__(self, redis: aioredis.Redis, max_readers: int, lookup: aioredis.Redis) -> None:
         self.redis = redis
+        self._lookup = lookup
         self._max = max_readers
         self._open = 0
         self._by_tenant: dict[str, int] = {}
+
+    async def begin(self, keys: Keys, request_id: str, tenant: str, tenant_max: int) -> RequestMeta:
+        """Admit one reader of ``tenant`` (429 past a bound) and return the request's
+        metadata (404 when unknown or someone else's, the reader released)."""
+        self.admit(tenant, tenant_max)
+        try:
+            return await load_meta(self._lookup, keys, request_id, tenant)
+        except BaseException:
+            self.release(tenant)
+            raise
 
     def admit(self, tenant: str, tenant_max: int) -> None:
         """Count one more reader of ``tenant``; 429 when a bound is reached."""
