@@ -138,7 +138,7 @@ async def test_eight_concurrent_streams_arrive_whole_and_in_order(stack: Stack) 
             # Whole: exactly what the worker generated, as recorded in the request's log.
             logged = [
                 protocol.decode_as(fields[b"c"], Chunk)
-                for _, fields in await redis.xrange(Keys().log(request_id))
+                for _, fields in await redis.xrange(Keys().reply_log(request_id))
             ]
             assert [c.seq for c in logged] == list(range(1, len(logged) + 1))
             assert logged[-1].is_final and logged[-1].completion_tokens == 24

@@ -148,8 +148,12 @@ async def chat(
     max_tokens: int,
     headers: dict[str, str],
     started: asyncio.Event | None = None,
+    job_ids: list[str] | None = None,
 ) -> Reply:
-    """Stream one chat completion to its end; an error event ends it too."""
+    """Stream one chat completion to its end; an error event ends it too.
+
+    ``job_ids`` gets the server's job id (from the completion id) as soon as the first event
+    arrives: every Redis key of the request derives from it, not from ``X-Request-Id``."""
     body = {
         "model": MODEL,
         "max_tokens": max_tokens,
@@ -169,6 +173,8 @@ async def chat(
             if "error" in event:
                 error = event["error"]
                 break
+            if job_ids is not None and not job_ids and "id" in event:
+                job_ids.append(event["id"].removeprefix("chatcmpl-"))
             choice = event["choices"][0]
             parts.append(choice["delta"].get("content") or "")
             finish = choice["finish_reason"] or finish

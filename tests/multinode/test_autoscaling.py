@@ -153,17 +153,24 @@ async def test_backlog_scales_up_and_scale_down_drains_losing_nothing(
         longs = {
             f"long{n}-{uuid.uuid4().hex[:8]}": f"Tell saga {n} of the voyage." for n in range(8)
         }
+        job_ids: dict[str, list[str]] = {rid: [] for rid in longs}
         long_tasks = {
             rid: asyncio.create_task(
-                chat(http, content, LONG_TOKENS, {"X-Priority": "batch", "X-Request-Id": rid})
+                chat(
+                    http,
+                    content,
+                    LONG_TOKENS,
+                    {"X-Priority": "batch", "X-Request-Id": rid},
+                    job_ids=job_ids[rid],
+                )
             )
             for rid, content in longs.items()
         }
         first_worker: dict[str, str] = {}
 
         async def all_streaming() -> bool:
-            for request_id in longs:
-                chunks = await read_reply_log(redis, keys, request_id)
+            for request_id, job in job_ids.items():
+                chunks = await read_reply_log(redis, keys, job[0]) if job else []
                 if chunks:
                     first_worker[request_id] = chunks[0].worker_id
             return len(first_worker) == len(longs)
@@ -194,7 +201,8 @@ async def test_backlog_scales_up_and_scale_down_drains_losing_nothing(
     # The stopped replica was streaming four replies: it handed them back and the replica
     # that is left finished them.
     for request_id in kept:
-        workers = [c.worker_id for c in await read_reply_log(redis, keys, request_id)]
+        logged = await read_reply_log(redis, keys, job_ids[request_id][0])
+        workers = [c.worker_id for c in logged]
         assert fleet.node_of[workers[0]] == "node_b" and workers[-1] == left.worker_id
     assert await redis.zcard(keys.queue) == 0
     assert await redis.zcard(keys.leases) == 0

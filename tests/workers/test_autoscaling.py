@@ -17,11 +17,13 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job, WorkerStats
 from cluster.wire.queue import JobQueue
+from cluster.wire.vocabulary import BATCH_SCORE_OFFSET
 from workers.scaling.backlog import (
     BacklogConfig,
     BacklogWatch,
     JobDuration,
     QueueSnapshot,
+    deadline_of,
     decide,
     need_starts_per_s,
     read_snapshot,
@@ -215,3 +217,11 @@ def test_policy_without_redis_holds_instead_of_failing_in_the_controller() -> No
 def test_policy_refuses_unknown_kwargs() -> None:
     with pytest.raises(ValueError, match="target_utilisation"):
         BacklogPolicy(redis_url="redis://127.0.0.1:1/0", target_utilisation=0.5)
+
+
+def test_a_batch_jobs_queue_score_reads_back_as_its_deadline() -> None:
+    # Batch jobs sort after latency-bound ones by an offset on their score; the policy
+    # must see their real deadlines, or a batch backlog never asks for a replica.
+    deadline = NOW_MS + 20_000
+    assert deadline_of(deadline + BATCH_SCORE_OFFSET) == deadline
+    assert deadline_of(deadline) == deadline

@@ -44,6 +44,7 @@ from cluster.runtime.clock import now_ms
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
+from cluster.wire.vocabulary import BATCH_SCORE_OFFSET
 
 log = structlog.get_logger(__name__)
 
@@ -162,9 +163,9 @@ def read_snapshot(client: redis.Redis, keys: Keys, heartbeat_ms: int) -> QueueSn
         pipe.get(keys.worker_stats(name))
     replies = pipe.execute()
     waiting, claimed, first = int(replies[0]), int(replies[1]), replies[2]
-    head = [(rank, int(score)) for rank, (_, score) in enumerate(first)]
+    head = [(rank, deadline_of(score)) for rank, (_, score) in enumerate(first)]
     later = replies[3 : 3 + len(_LATER_RANKS)]
-    head += [(rank, int(r[0][1])) for rank, r in zip(_LATER_RANKS, later, strict=True) if r]
+    head += [(rank, deadline_of(r[0][1])) for rank, r in zip(_LATER_RANKS, later, strict=True) if r]
     stats: list[WorkerStats] = []
     for raw in replies[3 + len(_LATER_RANKS) :]:
         if raw:
@@ -183,6 +184,13 @@ def read_snapshot(client: redis.Redis, keys: Keys, heartbeat_ms: int) -> QueueSn
         running=sum(s.running for s in live),
         completed_per_s=sum(s.completed_per_s for s in live),
     )
+
+
+def deadline_of(score: float) -> int:
+    """A waiting job's deadline from its queue score (batch jobs sort after the rest by
+    :data:`~cluster.wire.vocabulary.BATCH_SCORE_OFFSET`, their deadlines unchanged)."""
+    value = int(score)
+    return value - BATCH_SCORE_OFFSET if value >= BATCH_SCORE_OFFSET else value
 
 
 def need_starts_per_s(
