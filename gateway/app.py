@@ -21,6 +21,7 @@ from cluster.wire.keys import Keys
 from gateway.batches import routes as batch_routes
 from gateway.characters import routes as character_routes
 from gateway.chat import routes as chat_routes
+from gateway.chat import tokenize as token_routes
 from gateway.http import probes
 from gateway.http.handlers import install_error_handlers
 from gateway.http.middleware import EdgeMiddleware
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.header_timeout_s = settings.header_timeout_s
     for router in (
         chat_routes.router(),
+        token_routes.router(),
         character_routes.router(),
         batch_routes.router(),
         probes.router(),

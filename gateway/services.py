@@ -57,6 +57,7 @@ class Services:
     batch_store: BatchStore
     batch_runner: BatchRunner
     readers: Readers
+    prompts: PromptBuilder
 
     @property
     def clock(self) -> RedisClock:
@@ -142,6 +143,7 @@ class Services:
             batch_store,
             batch_runner,
             readers,
+            prompts,
         )
 
     async def close(self) -> None:

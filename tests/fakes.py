@@ -27,6 +27,7 @@ class FakeEngine:
         self.fail_with = fail_with
         # Appended to every token's text (long replies for tests of slow readers).
         self.padding = ""
+        self.seeds = True  # whether it claims to honour seeds (a CPU vLLM does not)
         self.running = 0
         self.max_running_seen = 0
         self.started: list[str] = []
@@ -44,6 +45,10 @@ class FakeEngine:
     @property
     def max_slots(self) -> int:
         return self._max_slots
+
+    @property
+    def honours_seed(self) -> bool:
+        return self.seeds
 
     async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         self.started.append(job.id)

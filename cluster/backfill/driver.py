@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import structlog
 
 from cluster.backfill.plan import (
     DEFAULT_SYSTEM_PROMPT,
@@ -81,6 +82,8 @@ from cluster.backfill.plan import (
 from cluster.backfill.progress import Progress
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
+
+log = structlog.get_logger(__name__)
 
 
 # -- talking to the gateway --------------------------------------------------------------
@@ -141,6 +144,9 @@ class Gateway:
             self._headers["Authorization"] = f"Bearer {options.api_key}"
         self._cards: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.model = options.model or ""
+        # False once the gateway refused a seed (replicas that cannot honour one, such as
+        # vLLM's CPU engine): the rest of the run is unseeded, said once in the log.
+        self.seeded = True
 
     async def resolve_model(self) -> str:
         """The model to ask for: the option, else the gateway's first."""
@@ -186,10 +192,18 @@ class Gateway:
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": temperature,
-            "seed": seed,
+            **({"seed": seed} if self.seeded else {}),
             **self._options.extra_body,
         }
         resp = await self._send("POST", "/v1/chat/completions", body)
+        if resp.status_code == 400 and "seed" in body and _error_param(resp) == "seed":
+            if self.seeded:  # concurrent dialogues may meet the refusal at once
+                log.warning(
+                    "the gateway cannot honour seeds: this run is not reproducible",
+                    reason=_error_message(resp),
+                )
+            self.seeded = False
+            return await self.chat(messages, max_tokens, seed, temperature)
         if resp.status_code != 200:
             try:
                 error = resp.json()["error"]
@@ -219,6 +233,20 @@ class Gateway:
             await asyncio.sleep(min(delay_s, 30.0) * (1 + random.random() * 0.2))
             delay_s = min(delay_s * 2, 30.0)
         raise AssertionError("unreachable")
+
+
+def _error_param(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["param"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def _error_code(resp: httpx.Response) -> str:

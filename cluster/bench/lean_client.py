@@ -63,7 +63,7 @@ class _Response:
         timer = self.timer
         if self.status != 200:
             body = self.partial + b"".join(segments)
-            self.partial = body[:200]  # the error message's excerpt
+            self.partial = body[:400]  # the error body, as much as a refusal's holds
             return
         partial = self.partial
         payloads: list[bytes] = []
@@ -90,9 +90,12 @@ class _Response:
     def sample(self) -> Sample:
         """The measurements of a response that has ended, its events parsed now."""
         self.feed()
+        sample = self.timer.sample
+        sample.status = self.status
         if self.status != 200:
-            self.timer.sample.error = f"HTTP {self.status}: {self.partial!r}"
-            return self.timer.sample
+            sample.error = f"HTTP {self.status}: {self.partial!r}"
+            sample.e2e_s = self.end - self.timer.start
+            return sample
         return self.timer.finish(self.end)
 
 

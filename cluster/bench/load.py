@@ -61,8 +61,10 @@ async def one_request(
         async with client.stream(
             "POST", f"{url}/v1/chat/completions", json=body, headers=headers
         ) as resp:
+            timer.sample.status = resp.status_code
             if resp.status_code != 200:
-                timer.sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                timer.sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:400]!r}"
+                timer.sample.e2e_s = time.perf_counter() - timer.start
                 return timer.sample
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -25,6 +25,7 @@ class Sample:
     cached_tokens: int = 0
     text: str = ""
     events: int = 0  # decoded ``data:`` events, content or not ([DONE] excluded)
+    status: int = 0  # the HTTP status (0: no response)
 
     @property
     def tpot_s(self) -> float:

@@ -10,6 +10,8 @@
 - ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench.mixed``).
 - ``charserve bench-sessions``: multi-turn sessions, affinity against none
   (``cluster.bench.sessions``).
+- ``charserve bench-tenants``: one tenant floods, another chats beside it
+  (``cluster.bench.tenants``).
 - ``charserve backfill``: character dialogues through a gateway (``cluster.backfill``).
 - ``charserve bench-backfill``: the backfill against vLLM's offline ``LLM.chat``, and
   interactive latency beside it (``cluster.bench.backfill``).
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.bench import backfill as bench_backfill
     from cluster.bench import mixed as bench_mixed
     from cluster.bench import sessions as bench_sessions
+    from cluster.bench import tenants as bench_tenants
     from cluster.bench.load import add_arguments
 
     add_arguments(bench)
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench_sessions.add_arguments(
         sub.add_parser("bench-sessions", help="multi-turn sessions, affinity against none")
+    )
+    bench_tenants.add_arguments(
+        sub.add_parser("bench-tenants", help="one tenant floods, another chats beside it")
     )
     backfill.add_arguments(
         sub.add_parser("backfill", help="generate character dialogues through a gateway")
@@ -151,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         return bench_mixed.run(args)
     if args.command == "bench-sessions":
         return bench_sessions.run(args)
+    if args.command == "bench-tenants":
+        from cluster.ops.stack import admin_redis_url
+
+        try:
+            redis_url = admin_redis_url(settings)
+        except RuntimeError:
+            redis_url = ""  # enough with --key-a, --key-b and --no-memory
+        return bench_tenants.run(args, redis_url, settings.namespace)
     if args.command == "backfill":
         return backfill.run(args)
     if args.command == "bench-backfill":

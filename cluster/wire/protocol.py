@@ -20,8 +20,8 @@ import msgpack
 from cluster.errors import ProtocolError
 from cluster.wire.vocabulary import PriorityClass
 
-VERSION = 3
-_ACCEPTED = frozenset({1, 2, 3})
+VERSION = 4
+_ACCEPTED = frozenset({1, 2, 3, 4})
 
 
 # The sampling fields a Job may carry (vLLM's ``SamplingParams`` names): a gateway puts only
@@ -46,6 +46,7 @@ SAMPLING_FIELDS = frozenset(
         "logit_bias",
         "allowed_token_ids",
         "bad_words",
+        "structured_outputs",
     }
 )
 
@@ -156,6 +157,9 @@ class WorkerStats:
     # v3: the least recent cost of a prompt token in a prefill (ms), what admission
     # estimates a request's own prefill from.
     prefill_ms_per_token: float = 0.0
+    # v4: whether the replica's engine honours a request's ``seed`` (vLLM's CPU build
+    # cannot), so a gateway refuses a seed no replica can honour before queueing it.
+    honours_seed: bool = True
 
     @property
     def free_slots(self) -> int:

@@ -141,6 +141,16 @@ local function waiting_remove(id, f)
   add(BYTES, f.tenant, -f.bytes)
   if redis.call('ZCARD', tq) == 0 then redis.call('ZREM', BACKLOGGED[f.class], f.tenant) end
 end
+
+-- A waiting job leaves the queue and is forgotten (``f``: its info, if already read).
+local function unqueue(id, f)
+  f = f or info(id)
+  if f then waiting_remove(id, f) else redis.call('ZREM', QUEUE, id) end
+  redis.call('HDEL', JOBS, id)
+  redis.call('HDEL', INFO, id)
+  redis.call('HDEL', PREFER, id)
+  redis.call('SREM', BATCH, id)
+end
 """
 )
 
@@ -240,14 +250,6 @@ local function gone(f)
     and redis.call('EXISTS', ARGV[6] .. f.gateway) == 0
 end
 
-local function drop(id, f)
-  waiting_remove(id, f)
-  redis.call('HDEL', JOBS, id)
-  redis.call('HDEL', INFO, id)
-  redis.call('HDEL', PREFER, id)
-  redis.call('SREM', BATCH, id)
-end
-
 local function take(id, f)
   waiting_remove(id, f)
   redis.call('HDEL', PREFER, id)
@@ -271,7 +273,7 @@ local function next_of(class)
       if not f then
         redis.call('ZREM', tq, id)  -- a stale entry
       elseif gone(f) then
-        drop(id, f)
+        unqueue(id, f)
       elseif f.max_running > 0 and running >= f.max_running then
         break  -- this tenant is at its cap: the next tenant
       elseif mine(id) then
@@ -435,12 +437,7 @@ local id = ARGV[2]
 redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', now)
 redis.call('ZADD', CANCELLED, now + tonumber(ARGV[5]), id)
 if redis.call('ZSCORE', QUEUE, id) then
-  local f = info(id)
-  if f then waiting_remove(id, f) else redis.call('ZREM', QUEUE, id) end
-  redis.call('HDEL', JOBS, id)
-  redis.call('HDEL', INFO, id)
-  redis.call('HDEL', PREFER, id)
-  redis.call('SREM', BATCH, id)
+  unqueue(id)
   return 'dequeued'
 end
 local owner = redis.call('HGET', OWNERS, id)
@@ -449,6 +446,19 @@ if owner then
   return 'signalled'
 end
 return 'recorded'
+""",
+    frees=True,
+)
+
+_WITHDRAW = _script(
+    _COMMON_KEYS,
+    """
+-- ARGV: 2 id. A job still waiting leaves the queue ('withdrawn'); a job already claimed
+-- (or finished, or unknown) is left alone ('not_waiting').
+local id = ARGV[2]
+if not redis.call('ZSCORE', QUEUE, id) then return 'not_waiting' end
+unqueue(id)
+return 'withdrawn'
 """,
     frees=True,
 )
@@ -477,11 +487,13 @@ class Enqueued:
 @dataclass(frozen=True, slots=True)
 class Position:
     """Where a job would wait: jobs ahead of it in all, its tenant's own jobs ahead of it
-    in its class, and the tenants waiting in its class (itself included)."""
+    in its class, the tenants waiting in its class (itself included), and its tenant's
+    jobs running now."""
 
     ahead: int
     own_ahead: int
     tenants: int
+    running: int = 0
 
     @property
     def fair_ahead(self) -> int:
@@ -543,6 +555,7 @@ class JobQueue:
         self.policy: QueuePolicy = policy
         self._enqueue = redis.register_script(_ENQUEUE)
         self._claim = redis.register_script(_CLAIM)
+        self._withdraw = redis.register_script(_WITHDRAW)
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
         self._cancel = redis.register_script(_CANCEL)
@@ -762,6 +775,15 @@ class JobQueue:
         )
         return _text(outcome)  # type: ignore[return-value]
 
+    async def withdraw(self, job_id: str) -> bool:
+        """Take ``job_id`` off the queue if it is still waiting (True); a job a worker
+        has claimed is left to run (False). For a request whose deadline passed while no
+        worker could take it: its gateway refuses it as expired instead of waiting on."""
+        outcome = await self._withdraw(
+            keys=self._common, args=[self._keys.tenant_queue_prefix, job_id]
+        )
+        return _text(outcome) == "withdrawn"
+
     async def cancelled(self, job_ids: list[str]) -> set[str]:
         """Which of ``job_ids`` have a cancel recorded (and not yet expired)."""
         if not job_ids:
@@ -781,8 +803,14 @@ class JobQueue:
             pipe.zcount(k.tenant_queue(job.priority_class, job.tenant), "-inf", score)
             pipe.zcard(k.backlogged(job.priority_class))
             pipe.zscore(k.backlogged(job.priority_class), job.tenant)
-            ahead, own, tenants, waiting = await pipe.execute()
-        return Position(int(ahead), int(own), int(tenants) + (0 if waiting is not None else 1))
+            pipe.hget(k.tenant_running, job.tenant)
+            ahead, own, tenants, waiting, running = await pipe.execute()
+        return Position(
+            int(ahead),
+            int(own),
+            int(tenants) + (0 if waiting is not None else 1),
+            int(running or 0),
+        )
 
     async def stats(self) -> QueueStats:
         """How many jobs wait and how many are claimed."""

@@ -154,6 +154,10 @@ class ApiKeys:
         own = limits.model_dump(mode="json", exclude_unset=True)
         await self._redis.hset(self._keys.tenant_limits, tenant, json.dumps(own))
 
+    async def clear_limits(self, tenant: str) -> None:
+        """Forget a tenant's own limits (it follows the gateway's defaults again)."""
+        await self._redis.hdel(self._keys.tenant_limits, tenant)
+
     async def limits(self, tenant: str) -> dict[str, Any] | None:
         """The tenant's own limits (only the fields it set), if it has any."""
         raw = await self._redis.hget(self._keys.tenant_limits, tenant)

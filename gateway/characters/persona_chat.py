@@ -56,13 +56,9 @@ class PersonaChat:
         free_by_worker: dict[str, int],
     ) -> PersonaTurn | None:
         """The persona turn for ``request``, or None for a plain OpenAI request."""
-        extra = request.model_extra or {}
-        session_id, character_id = extra.get("session_id"), extra.get("character_id")
+        session_id, character_id = request.session_id, request.character_id
         if session_id is None and character_id is None:
             return None
-        for name, value in (("session_id", session_id), ("character_id", character_id)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise BadRequest(f"{name} must be a non-empty string", param=name)
         session: Session | None = None
         if isinstance(session_id, str):
             last = request.messages[-1] if request.messages else None
@@ -78,7 +74,7 @@ class PersonaChat:
         else:
             character = await self._store.character(tenant, str(character_id))
             history = [{"role": m.role, "content": m.text()} for m in request.messages]
-            user_name = str(extra.get("user_name") or request.user or "User")
+            user_name = request.user_name or request.user or "User"
         try:
             # Off the event loop: lorebook scans and the token counts of the history cut
             # can take milliseconds (regex keys up to their time bound).

@@ -7,7 +7,10 @@ queue runs earliest deadline first and a worker drops a job whose deadline has p
 
 The decision is a few named checks (queue bound, workers present, budget), each of which
 may refuse with an enumerated reason that the client sees in ``X-Charserve-Drop-Reason``.
-Batch work is never refused for budget: it yields to everything else.
+Batch work on the batch class's own budget (a day, by default) is never refused for
+budget: it yields to everything else. A batch request that asks for a shorter budget is
+judged like any other, waiting behind everything queued before it, so a budget it cannot
+meet is refused at the door rather than left to expire in the queue.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cluster.runtime.clock import RedisClock
 from cluster.runtime.settings import Settings
 from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
@@ -99,6 +103,19 @@ def estimate_ttft_ms(
     return to_finish / capacity.completed_per_s * 1000.0 + own
 
 
+def capped_wait_ms(capacity: Capacity, own_ahead: int, running: int, max_running: int) -> float:
+    """The wait of a tenant at its cap on running jobs: its own jobs start only as its own
+    running ones finish, ``max_running`` slots at the cluster's per-slot rate (0 when the
+    tenant is below its cap, or no rate is known)."""
+    busy = capacity.slots - capacity.free_slots
+    if max_running <= 0 or running < max_running or busy <= 0:
+        return 0.0
+    per_slot_per_s = capacity.completed_per_s / busy
+    if per_slot_per_s <= 0.0:
+        return 0.0
+    return (own_ahead + 1) / (max_running * per_slot_per_s) * 1000.0
+
+
 class Admitter:
     """The admission decision: a few named checks, each of which may refuse."""
 
@@ -114,19 +131,30 @@ class Admitter:
         self._view = view
         self._metrics = metrics or GatewayMetrics()
 
+    @property
+    def clock(self) -> RedisClock:
+        """Redis's time, as this gateway last read it (deadlines are on it)."""
+        return self._view.clock
+
+    @property
+    def honours_seed(self) -> bool:
+        """False when a live worker cannot honour a ``seed`` (the latest snapshot)."""
+        return self._view.current.honours_seed
+
     def free_by_worker(self) -> dict[str, int]:
         """Free slots of each live worker, from the latest snapshot."""
         return self._view.current.free_by_worker
 
-    async def admit(self, job: Job) -> None:
-        """Admit ``job`` or raise the client-facing refusal (and count the decision)."""
+    async def admit(self, job: Job, max_running: int = 0) -> None:
+        """Admit ``job`` (of a tenant with ``max_running`` as its cap on running jobs, 0:
+        none) or raise the client-facing refusal (and count the decision)."""
         capacity = self._view.current
         for step in (self._queue_bound, self._workers_present):
             rejection = step(job, capacity)
             if rejection is not None:
                 self._metrics.rejected(job.priority_class, rejection.reason)
                 raise rejection.error()
-        rejection = await self._budget(job, capacity)
+        rejection = await self._budget(job, capacity, max_running)
         if rejection is not None:
             self._metrics.rejected(job.priority_class, rejection.reason)
             raise rejection.error()
@@ -142,17 +170,24 @@ class Admitter:
             return None  # batch work may wait for workers to come back
         return Rejection(DropReason.NO_WORKERS, "no worker is serving right now", 5, status=503)
 
-    async def _budget(self, job: Job, capacity: Capacity) -> Rejection | None:
-        if job.priority_class == PriorityClass.BATCH:
-            return None  # batch is never refused for budget; it yields
+    async def _budget(self, job: Job, capacity: Capacity, max_running: int) -> Rejection | None:
         budget_ms = job.deadline_ms - job.arrival_ms
-        ahead = 0
-        if capacity.waiting > 0 or capacity.free_slots == 0:
+        batch = job.priority_class == PriorityClass.BATCH
+        if batch and budget_ms >= self._settings.budget_batch_ms:
+            return None  # batch on its own budget is never refused; it yields
+        ahead, capped_ms = 0, 0.0
+        if capacity.waiting > 0 or capacity.free_slots == 0 or max_running > 0:
             # Under the fair share a tenant waits for its own jobs and one turn of every
-            # other waiting tenant per job, not for everything queued.
-            ahead = (await self._queue.position(job)).fair_ahead
-        estimate = estimate_ttft_ms(
-            capacity, ahead, len(job.prompt_token_ids), self._settings.admission_floor_ms
+            # other waiting tenant per job, not for everything queued; batch waits behind
+            # every latency-bound job as well. A tenant at its cap on running jobs waits
+            # for its own to finish, however free the cluster is.
+            position = await self._queue.position(job)
+            ahead = position.ahead if batch else position.fair_ahead
+            capped_ms = capped_wait_ms(capacity, position.own_ahead, position.running, max_running)
+        prompt_tokens, floor_ms = len(job.prompt_token_ids), self._settings.admission_floor_ms
+        estimate = max(
+            estimate_ttft_ms(capacity, ahead, prompt_tokens, floor_ms),
+            capped_ms + estimate_ttft_ms(capacity, 0, prompt_tokens, floor_ms),
         )
         if estimate <= budget_ms:
             return None

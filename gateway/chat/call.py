@@ -10,6 +10,11 @@ come back).
 
 A streamed reply hands the call to its response (:meth:`ChatCall.stream`), which ends it
 when the body ends, or when the body never starts because the client left first.
+
+A request no worker takes by its deadline (every slot busy, or no batch room for a batch
+job) is not left waiting for the request timeout: shortly after its deadline the call
+withdraws it from the queue, if it is still there, and the client gets the same 429
+``expired`` a worker would have sent on claiming it late.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope, Send
 
 from cluster.errors import Disconnected
+from cluster.runtime.clock import RedisClock
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import Enqueued, JobQueue, Share
 from cluster.wire.vocabulary import DropReason, ErrorCode, Outcome
@@ -51,6 +57,10 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 OnComplete = Callable[[str, Chunk], Awaitable[None]]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# How long after its deadline a job no worker has claimed is withdrawn (a worker that
+# claims it late answers ``expired`` itself well within this).
+EXPIRY_GRACE_S = 1.0
 
 
 class ClientGone(Disconnected):
@@ -142,8 +152,12 @@ class ChatCall:
         stream: bool,
         resumable: bool,
         timeout_s: float,
+        clock: RedisClock | None = None,
+        user: str | None = None,
     ) -> None:
         self.job = job
+        self._user = user  # the client's end user (OpenAI's ``user``), for abuse tracing
+        self._clock = clock or RedisClock()
         self._inbox = inbox
         self._queue = queue
         self._metrics = metrics
@@ -213,7 +227,7 @@ class ChatCall:
         before any token (an expired deadline, a parameter the engine rejects) is raised
         as the error the client gets, with its status."""
         try:
-            chunk: Chunk = await race_disconnect(anext(self._chunks), receive)
+            chunk: Chunk = await race_disconnect(self._first_in_time(), receive)
         except TimeoutError as exc:
             raise GatewayTimeout("no reply from any worker in time") from exc
         self._note(chunk)
@@ -223,6 +237,38 @@ class ChatCall:
                 self._metrics.rejected(self.job.priority_class, DropReason.EXPIRED)
             raise from_worker(chunk.error_code, chunk.error_message)
         return chunk
+
+    async def _first_in_time(self) -> Chunk:
+        """The first chunk; or, when none has come by the job's deadline (plus a grace)
+        and the job is still waiting, the job withdrawn and an ``expired`` chunk."""
+        nxt = asyncio.ensure_future(anext(self._chunks))
+        try:
+            left_s = (self.job.deadline_ms - self._clock.now_ms()) / 1000 + EXPIRY_GRACE_S
+            done, _ = await asyncio.wait({nxt}, timeout=max(0.0, left_s))
+            if done:
+                return nxt.result()
+            try:
+                withdrawn = await self._queue.withdraw(self.job.id)
+            except RedisError:
+                withdrawn = False  # unknown: the worker's answer (or the timeout) decides
+            if not withdrawn:
+                return await nxt  # claimed in time: its reply is on its way
+            self._maybe_queued = False
+            budget_ms = self.job.deadline_ms - self.job.arrival_ms
+            return Chunk(
+                request_id=self.job.id,
+                seq=1,
+                text="",
+                completion_tokens=0,
+                prompt_tokens=len(self.job.prompt_token_ids),
+                finish_reason="error",
+                error_code=ErrorCode.EXPIRED,
+                error_message=f"no worker could start the request within its latency "
+                f"budget ({budget_ms} ms)",
+            )
+        finally:
+            if not nxt.done():
+                nxt.cancel()
 
     async def collect(self, first: Chunk, receive: Receive) -> tuple[str, Chunk]:
         """The whole reply as one text, and its final chunk (the call ends with it)."""
@@ -351,6 +397,7 @@ class ChatCall:
             outcome=outcome,
             request_id=self.job.id,
             tenant=self.job.tenant,
+            user=self._user,
             priority=self.job.priority_class,
             stream=self._stream,
             prompt_tokens=len(self.job.prompt_token_ids),

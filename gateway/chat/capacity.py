@@ -30,6 +30,7 @@ class Capacity:
 
     workers: int = 0
     free_slots: int = 0
+    slots: int = 0
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
@@ -37,6 +38,8 @@ class Capacity:
     taken_at_s: float = 0.0
     # Free slots of each live (not draining) worker, for session affinity.
     free_by_worker: dict[str, int] = field(default_factory=dict)
+    # False when a live worker cannot honour a seed (any worker may claim a job).
+    honours_seed: bool = True
 
 
 def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
@@ -47,12 +50,14 @@ def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
     return Capacity(
         workers=len(live),
         free_slots=sum(s.free_slots for s in live),
+        slots=sum(s.max_slots for s in live),
         completed_per_s=sum(s.completed_per_s for s in live),
         prefill_ms=max(prefill) if prefill else 0.0,
         prefill_ms_per_token=max(per_token) if per_token else 0.0,
         waiting=waiting,
         taken_at_s=now_s,
         free_by_worker={s.worker_id: s.free_slots for s in live},
+        honours_seed=all(s.honours_seed for s in live),
     )
 
 

@@ -7,7 +7,7 @@ and so the worker hands vLLM token ids directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -24,6 +24,68 @@ class Prompt:
 
     token_ids: list[int]
     max_tokens: int
+
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them.
+_TEMPLATE_PARAMS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How the chat template renders a request (vLLM's chat fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest) -> TemplateOptions:
+        """A chat request's options (see :meth:`checked`)."""
+        return cls.checked(
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template_kwargs,
+        )
+
+    @classmethod
+    def checked(
+        cls,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> TemplateOptions:
+        """The options; 400 for a template variable that is not a plain value or that
+        would overwrite the template's own inputs."""
+        kwargs = template_kwargs or {}
+        for key, value in kwargs.items():
+            if key in _TEMPLATE_PARAMS or not isinstance(value, str | bool | int | float):
+                raise BadRequest(
+                    f"chat_template_kwargs.{key}: a template variable is a string, number or "
+                    "boolean, and not one of the template's own inputs",
+                    param=f"chat_template_kwargs.{key}",
+                )
+        return cls(add_generation_prompt, continue_final_message, dict(kwargs))
 
 
 class PromptBuilder:
@@ -46,6 +108,8 @@ class PromptBuilder:
         # of more than max_model_len times that many characters cannot fit: refused before
         # any tokenizing (which, for megabytes, would hold a thread for a long while).
         longest = max((len(t) for t in self._tokenizer.get_vocab()), default=1)
+        template = self._tokenizer.chat_template
+        self._template_uses_name = isinstance(template, str) and "['name']" in template
         self.max_prompt_chars = max_model_len * max(longest, 1)
 
     def requested_max_tokens(self, request: ChatCompletionRequest) -> int:
@@ -53,12 +117,19 @@ class PromptBuilder:
         asked = request.max_completion_tokens or request.max_tokens
         return asked if asked is not None else self._default_max_tokens
 
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode(
+        self, messages: list[dict[str, str]], options: TemplateOptions | None = None
+    ) -> list[int]:
         """Prompt token ids of ``messages`` (template applied); 400 if it rejects them."""
-        messages = [{"role": _template_role(m["role"]), "content": m["content"]} for m in messages]
+        options = options or TemplateOptions()
+        messages = [self._template_message(m) for m in messages]
         try:
             text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                **options.kwargs,
             )
         except Exception as exc:  # the template rejected this conversation
             raise BadRequest(f"cannot render the messages: {exc}", param="messages") from exc
@@ -66,6 +137,35 @@ class PromptBuilder:
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the tokenizer knows (added tokens included)."""
+        return len(self._tokenizer)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of plain text (a completion-style prompt)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``."""
+        return str(self._tokenizer.decode(token_ids))
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string."""
+        return list(self._tokenizer.convert_ids_to_tokens(token_ids))
+
+    def _template_message(self, message: dict[str, str]) -> dict[str, str]:
+        """A message as the template takes it: ``developer`` as ``system``, and a speaker's
+        ``name`` either passed (a template that uses it) or prefixed to the content."""
+        out = {"role": _template_role(message["role"]), "content": message["content"]}
+        name = message.get("name")
+        if name:
+            if self._template_uses_name:
+                out["name"] = name
+            else:
+                out["content"] = f"{name}: {message['content']}"
+        return out
 
     def count(self, messages: list[dict[str, str]]) -> int:
         """How many prompt tokens ``messages`` make."""
@@ -77,7 +177,10 @@ class PromptBuilder:
         """Render ``messages`` (default: the request's) and decide ``max_tokens``; 400 if
         they cannot fit."""
         if messages is None:
-            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            messages = [
+                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in request.messages
+            ]
         chars = prompt_chars(messages)
         if chars > self.max_prompt_chars:
             raise BadRequest(
@@ -87,7 +190,7 @@ class PromptBuilder:
                 param="messages",
                 code="context_length_exceeded",
             )
-        token_ids = self.encode(messages)
+        token_ids = self.encode(messages, TemplateOptions.of(request))
         prompt_len = len(token_ids)
         room = self.max_model_len - prompt_len
         if room < 1:

@@ -17,6 +17,7 @@ from gateway.chat.schemas import (
     ChatCompletionRequest,
 )
 from gateway.chat.service import ChatContext
+from gateway.chat.tokenize import model_card
 from gateway.http.context import client_request_id, flag, request_id, tenant
 from gateway.services import services
 from gateway.streaming.resume import parse_last_event_id, replay
@@ -80,15 +81,7 @@ def router() -> APIRouter:
         settings = services(request).settings
         return {
             "object": "list",
-            "data": [
-                {
-                    "id": settings.served_model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "charserve",
-                    "max_model_len": settings.max_model_len,
-                }
-            ],
+            "data": [model_card(settings.served_model_name, settings.max_model_len)],
         }
 
     return api

@@ -1,8 +1,10 @@
 """OpenAI Chat Completions request and response shapes.
 
-Requests accept unknown fields (frontends send extra samplers): known vLLM samplers are
-typed here so a wrong type is a 400 before anything is queued; other extras pass through
-to the worker, which hands vLLM the ones it understands.
+No field is ignored silently. Every field a request may carry is typed here, so a wrong
+type is a 400 before anything is queued; a field of OpenAI's or vLLM's API this server does
+not serve (:data:`REFUSED_FIELDS`) is refused with a 400 that names it and says why, unless
+it holds its neutral value (``logprobs: false``); any other field is refused as unknown.
+docs/api.md lists every field and what happens to it.
 
 The response models and ``*_RESPONSES`` / ``*_EXTRA`` tables at the end only document the
 routes in the OpenAPI document (``responses=`` and ``openapi_extra=`` of the route
@@ -31,21 +33,120 @@ MAX_LOGIT_BIAS = 300  # OpenAI's own bound
 MAX_ALLOWED_TOKEN_IDS = 10_000
 
 
+# OpenAI and vLLM chat fields this server does not serve, and why: a request that sets one
+# to anything but its neutral value (``_NEUTRAL``) gets a 400 naming it.
+REFUSED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not served: no tool parser is configured for this model",
+    "tool_choice": "tool calling is not served: no tool parser is configured for this model",
+    "functions": "function calling is not served (and deprecated by OpenAI for tools)",
+    "function_call": "function calling is not served (and deprecated by OpenAI for tools)",
+    "logprobs": "log probabilities are not returned by this server yet",
+    "top_logprobs": "log probabilities are not returned by this server yet",
+    "prompt_logprobs": "log probabilities are not returned by this server yet",
+    "echo": "echo is not served on chat completions",
+    "audio": "this model produces text only",
+    "modalities": "this model produces text only",
+    "prediction": "predicted outputs are not served",
+    "reasoning_effort": "this model does not reason",
+    "web_search_options": "web search is not served",
+    "store": "completions are not stored; nothing reads them back",
+    "metadata": "metadata is kept only with stored completions, which are not served",
+    "service_tier": "use the X-Priority header for the admission class",
+    "use_beam_search": "beam search is not served",
+    "best_of": "best_of is not served",
+    "length_penalty": "length_penalty applies to beam search, which is not served",
+    "prompt_embeds": "prompt embeddings are not accepted",
+    "guided_decoding_backend": "the structured-output backend is the server's choice",
+    "structural_tag": "structural tags are not served",
+    "documents": "documents are not served: this model's template has no RAG section",
+    "mm_processor_kwargs": "this model takes text only",
+    "truncate_prompt_tokens": "a prompt too long is refused, never cut silently",
+    "priority": "use the X-Priority header for the admission class",
+    "request_id": "use the X-Request-Id header",
+    "cache_salt": "the prefix cache is shared by design; tenants' prompts never leak text",
+    "kv_transfer_params": "disaggregated prefill is not served",
+    "vllm_xargs": "extra engine arguments are not accepted per request",
+    "return_tokens_as_token_ids": "not served",
+    "return_token_ids": "not served",
+    "chat_template": "the chat template is the model's own; pass chat_template_kwargs",
+    "tool_parser": "tool calling is not served",
+}
+# Values of a refused field that ask for nothing, so a client that sends them is served.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "echo": (False,),
+    "store": (False,),
+    "use_beam_search": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "modalities": (["text"],),
+    "tool_choice": ("none",),
+    "tools": ([],),
+    "functions": ([],),
+    "best_of": (1,),
+    "service_tier": ("auto", "default"),
+}
+# Keys of a message this server does not serve.
+REFUSED_MESSAGE_FIELDS: dict[str, str] = {
+    "tool_calls": "tool calling is not served: no tool parser is configured for this model",
+    "tool_call_id": "tool calling is not served: no tool parser is configured for this model",
+    "function_call": "function calling is not served",
+    "audio": "this model takes text only",
+    "refusal": "refusals are not produced by this model",
+    "reasoning_content": "this model does not reason",
+}
+
+
+def _refuse_fields(data: Any, known: set[str], refused: dict[str, str]) -> Any:
+    """A before-validator's body: 400 for a refused field (unless neutral) or an unknown one,
+    naming it (``field`` in the error's context: the route's error names its full path).
+    A null, or a refused field's neutral value, asks for nothing: it is served, and left
+    out of what the model holds."""
+    if not isinstance(data, dict):
+        return data
+    kept: dict[Any, Any] = {}
+    for key, value in data.items():
+        if key in known:
+            kept[key] = value
+            continue
+        if value is None:
+            continue
+        if key in refused:
+            if value in _NEUTRAL.get(key, ()):
+                continue
+            raise PydanticCustomError(
+                "field_refused", f"{key} is not supported: {refused[key]}", {"field": key}
+            )
+        raise PydanticCustomError(
+            "field_unknown",
+            f"{key} is not a field of this API (the field list is in docs/api.md)",
+            {"field": str(key)},
+        )
+    return kept
+
+
 class TextPart(BaseModel):
     """A text content part."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One message of the conversation."""
+    """One message of the conversation. ``name`` (who speaks) goes into the template, as
+    vLLM passes it; a template that does not use it gets it as a ``name: `` prefix of the
+    content, so it is never dropped."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, data: Any) -> Any:
+        return _refuse_fields(data, set(cls.model_fields), REFUSED_MESSAGE_FIELDS)
 
     def text(self) -> str:
         """The message's text, with content parts joined."""
@@ -57,18 +158,111 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``."""
+    """``stream_options``: a final usage chunk, and (``continuous_usage_stats``) the usage
+    so far on every chunk."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid against a schema
+    (the engine's structured outputs constrain every token)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or not self.json_schema.schema_
+        ):
+            raise PydanticCustomError(
+                "invalid_value",
+                "response_format.json_schema.schema is required with type json_schema",
+                {"param": "response_format.json_schema"},
+            )
+        return self
+
+
+# Bounds of a structured-output constraint: the engine compiles it once per request (a
+# grammar's compile time grows with its size), on the worker.
+MAX_CONSTRAINT_CHARS = 16_384
+MAX_CHOICES = 256
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint on the reply's text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    choice: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES
+    )
+    grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [
+            n
+            for n, v in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "invalid_value",
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}",
+                {"param": "structured_outputs"},
+            )
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        """The constraint as the job carries it (vLLM's ``StructuredOutputsParams`` names)."""
+        out: dict[str, Any] = {
+            k: v
+            for k, v in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if v is not None
+        }
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
 
 
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` body."""
 
     model_config = ConfigDict(
-        extra="allow",
+        extra="forbid",
         strict=True,
+        populate_by_name=True,
         json_schema_extra={
             "examples": [
                 {
@@ -99,7 +293,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=256)  # logged with the request
     # vLLM's extra samplers.
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -116,6 +310,33 @@ class ChatCompletionRequest(BaseModel):
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         default=None, max_length=MAX_BAD_WORDS
     )
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* names (at most one constraint in all).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    guided_choice: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES
+    )
+    guided_grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    # The template: vLLM's chat fields.
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=16)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # OpenAI's parallel_tool_calls only means something with tools, which are refused.
+    parallel_tool_calls: bool | None = None
+    # charserve's persona chats (docs/api.md): a session turn, or a character's persona
+    # around the client's own messages, and the user's name in it.
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    character_id: str | None = Field(default=None, min_length=1, max_length=128)
+    user_name: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, data: Any) -> Any:
+        """400 naming a refused or unknown field, before anything else is checked."""
+        return _refuse_fields(data, set(cls.model_fields), REFUSED_FIELDS)
 
     @model_validator(mode="after")
     def _carriable(self) -> ChatCompletionRequest:
@@ -128,10 +349,53 @@ class ChatCompletionRequest(BaseModel):
             if found is None and digits.isdigit():  # the others are refused by the route
                 if not digits.isascii() or not _INT_MIN <= int(key) <= _INT_MAX:
                     found = ("logit_bias", f"{key!r} is not a token id")
+        if found is None and self.stream_options is not None and not self.stream:
+            found = ("stream_options", "stream_options is only allowed when stream is true")
+        if found is None and self.continue_final_message and self.add_generation_prompt:
+            found = (
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false",
+            )
+        if found is None and self.continue_final_message and self.messages[-1].role != "assistant":
+            found = ("continue_final_message", "the last message must be the assistant's")
+        if found is None and len(self._constraints()) > 1:
+            found = ("response_format", f"one constraint at most, got {self._constraints()}")
         if found is not None:
             param, why = found
             raise PydanticCustomError("invalid_value", why, {"param": param})
         return self
+
+    def _constraints(self) -> list[str]:
+        given = [
+            n
+            for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+            if getattr(self, n) is not None
+        ]
+        if self.guided_grammar is not None:
+            given.append("guided_grammar")
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        return given
+
+    def structured(self) -> dict[str, Any] | None:
+        """The reply's constraint in vLLM's ``StructuredOutputsParams`` names, if any."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.wire()
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return {"json_object": True}
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            return {"json": rf.json_schema.schema_}
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                return {key: value}
+        return None
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the job carries: the typed ones that were set, and nothing
@@ -145,12 +409,21 @@ class ChatCompletionRequest(BaseModel):
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.logit_bias:
             out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        structured = self.structured()
+        if structured is not None:
+            out["structured_outputs"] = structured
         return out
 
     @property
     def include_usage(self) -> bool:
         """True when the client asked for a final usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """True when the client asked for the usage so far on every chunk."""
+        options = self.stream_options
+        return bool(self.stream and options and options.continuous_usage_stats)
 
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries
@@ -160,8 +433,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _uncarriable(value: Any, path: str) -> tuple[str, str] | None:
     """The first place in ``value`` that a job cannot carry, and why."""
     if isinstance(value, BaseModel):
-        # Its fields and extras; not dict(value), which an extra named "keys" breaks.
-        value = {**value.__dict__, **(value.model_extra or {})}
+        # Its fields; not dict(value), which a field named "keys" would break.
+        value = dict(value.__dict__)
     if isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else str(key)

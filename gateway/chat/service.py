@@ -156,13 +156,14 @@ class ChatService:
         )
         limits = await self._limits(ctx.tenant)
         self._within_limits(job, limits)
-        await self._admit(job)
+        await self._admit(job, limits.max_running)
         meta = RequestMeta(
             ctx.tenant,
             f"chatcmpl-{job.id}",
             request.model,
             int(time.time()),
             request.include_usage,
+            request.continuous_usage,
         )
         call = ChatCall(
             job,
@@ -173,6 +174,8 @@ class ChatService:
             stream=request.stream,
             resumable=ctx.resumable,
             timeout_s=self._settings.request_timeout_s,
+            clock=self._admitter.clock,
+            user=request.user,
         )
         idempotency = None
         if ctx.client_request_id is not None:
@@ -200,6 +203,7 @@ class ChatService:
                     meta.created,
                     meta.include_usage,
                     event_ids=ctx.resumable or ctx.event_ids,
+                    continuous_usage=meta.continuous_usage,
                 )
                 on_complete = self._recorder(turn) if turn else None
                 return call.stream(first, fmt, ctx.raw_send, on_complete, rate)
@@ -257,7 +261,9 @@ class ChatService:
                 code="model_not_found",
             )
         if request.n != 1:
-            raise BadRequest("only n=1 is supported", param="n")
+            raise BadRequest(
+                "n is supported only as 1: ask again for another reply (a swipe)", param="n"
+            )
         if len(request.messages) > self._settings.max_messages:
             raise BadRequest(
                 f"at most {self._settings.max_messages} messages are accepted, "
@@ -273,11 +279,14 @@ class ChatService:
                 param="max_tokens",
                 code="max_tokens_exceeded",
             )
-        extra = request.model_extra or {}
-        if extra.get("tools"):
-            raise BadRequest("tools are not supported by this model", param="tools")
-        if extra.get("logprobs"):
-            raise BadRequest("logprobs are not supported", param="logprobs")
+        if request.seed is not None and not self._admitter.honours_seed:
+            raise BadRequest(
+                "seed is not supported by this cluster's replicas: vLLM's CPU engine fails "
+                "a seeded request whose prefill is chunked; leave seed out, or use GPU "
+                "replicas",
+                param="seed",
+                code="unsupported_field",
+            )
         for key in request.logit_bias or {}:
             if not _TOKEN_ID.fullmatch(key):
                 raise BadRequest(
@@ -360,9 +369,9 @@ class ChatService:
             raise
         return decision.headers() if decision else {}
 
-    async def _admit(self, job: Job) -> None:
+    async def _admit(self, job: Job, max_running: int = 0) -> None:
         try:
-            await self._admitter.admit(job)
+            await self._admitter.admit(job, max_running)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
 

@@ -133,3 +133,12 @@ class Authenticator:
             code="rate_limit_exceeded",
             headers=headers,
         )
+
+
+# Routes outside /v1 that spend the service's work (vLLM's paths for them): keyed as /v1.
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def needs_key(path: str) -> bool:
+    """True for a route answered only to a tenant (the API key check applies)."""
+    return path.startswith("/v1/") or path == "/v1" or path in _KEYED_PATHS

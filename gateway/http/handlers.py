@@ -28,8 +28,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
         )
     if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
         return BadRequest("the body must be a JSON object", code="invalid_json")
-    param = ".".join(loc) or (first.get("ctx") or {}).get("param") or None
+    ctx = first.get("ctx") or {}
     message = first.get("msg", "invalid request")
+    if "field" in ctx:  # a refused or unknown field: named by its full path
+        param = ".".join([*loc, str(ctx["field"])])
+        return BadRequest(message, param=param, code="unsupported_field")
+    param = ".".join(loc) or ctx.get("param") or None
     if param:
         message = f"{param}: {message}"
     if len(errors) > 1:

@@ -14,7 +14,7 @@ import structlog
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.http.auth import Authenticator
+from gateway.http.auth import Authenticator, needs_key
 from gateway.http.context import new_request_id
 from gateway.http.errors import (
     APIError,
@@ -67,7 +67,7 @@ class EdgeMiddleware:
             return
         try:
             receive = await self._bounded(headers, receive)
-            if scope["path"].startswith("/v1/") or scope["path"] == "/v1":
+            if needs_key(scope["path"]):
                 auth: Authenticator = scope["app"].state.services.auth
                 state["tenant"] = await auth.tenant(
                     headers.get(b"authorization", b"").decode("latin-1") or None

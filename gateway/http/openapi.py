@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from cluster.wire.vocabulary import DropReason
+from gateway.http.auth import needs_key
 from gateway.http.errors import ErrorType
 
 
@@ -141,7 +142,7 @@ def _honest(schema: dict[str, Any]) -> dict[str, Any]:
             if "HTTPValidationError" in json.dumps(validation):
                 del responses["422"]
             statuses = [413, 500]
-            if path.startswith("/v1/"):
+            if needs_key(path):
                 statuses += [401, 503]
                 operation.setdefault("security", [{"bearer": []}, {}])
             for status in statuses:

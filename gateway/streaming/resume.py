@@ -36,6 +36,7 @@ class RequestMeta:
     model: str
     created: int
     include_usage: bool
+    continuous_usage: bool = False  # usage so far on every chunk
 
     def encode(self) -> bytes:
         """JSON for Redis."""
@@ -113,6 +114,7 @@ async def replay(
         meta.include_usage,
         role_sent=after_seq > 0,
         event_ids=True,
+        continuous_usage=meta.continuous_usage,
     )
     try:
         async for chunk in follow(redis, keys, request_id, after_seq, idle_timeout_s):

@@ -62,6 +62,8 @@ class ChunkFormatter:
     include_usage: bool
     role_sent: bool = False
     event_ids: bool = False
+    # stream_options.continuous_usage_stats: the usage so far on every chunk.
+    continuous_usage: bool = False
     _content_head: bytes = b""
     _content_tail: bytes = b""
 
@@ -83,7 +85,7 @@ class ChunkFormatter:
             "system_fingerprint": None,
             "choices": choices,
         }
-        if self.include_usage:
+        if self.include_usage or usage_obj is not None:
             body["usage"] = usage_obj
         return body
 
@@ -104,20 +106,25 @@ class ChunkFormatter:
 
     def is_content(self, chunk: Chunk) -> bool:
         """True when ``chunk``'s events are just :meth:`content_event`."""
-        return self.role_sent and bool(chunk.text) and not chunk.is_final
+        return (
+            self.role_sent and bool(chunk.text) and not chunk.is_final and not self.continuous_usage
+        )
 
     def events(self, chunk: Chunk) -> bytes:
         """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
         if self.is_content(chunk):
             return self.content_event(chunk.seq, chunk.text)
         out = b""
+        so_far = usage(chunk) if self.continuous_usage else None
         if chunk.text or not self.role_sent:
             delta: dict[str, Any] = {"content": chunk.text}
             if not self.role_sent:
                 delta = {"role": "assistant", "content": chunk.text}
                 self.role_sent = True
             out += self._event(
-                chunk.seq, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+                chunk.seq,
+                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+                so_far,
             )
         if chunk.is_final:
             out += self._event(
@@ -130,6 +137,7 @@ class ChunkFormatter:
                         "finish_reason": finish_reason(chunk),
                     }
                 ],
+                so_far,
             )
             if self.include_usage:
                 out += self._event(chunk.seq, [], usage(chunk))

@@ -213,7 +213,9 @@ def test_rayservice_cluster_parses_with_the_kuberay_autoscaler() -> None:
     assert gpus >= deployment["autoscaling_config"]["max_replicas"]
 
 
-def test_rayservice_ships_a_redis_and_a_gateway_that_agree_with_the_workers() -> None:
+def test_rayservice_ships_a_redis_and_a_gateway_that_agree_with_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     service, docs = _rayservice()
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert {("Deployment", "charserve-redis"), ("Service", "charserve-redis")} <= kinds
@@ -224,12 +226,17 @@ def test_rayservice_ships_a_redis_and_a_gateway_that_agree_with_the_workers() ->
     gateway = next(d for d in docs if d["metadata"]["name"] == "charserve-gateway")
     container = gateway["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}
-    settings = Settings(**{k.removeprefix("CHARSERVE_").lower(): v for k, v in env.items()})
+    for name, value in env.items():  # read as the gateway reads them: from its environment
+        monkeypatch.setenv(name, value)
+    settings = Settings()
     assert settings.redis_url == args.redis_url
     assert settings.namespace == args.namespace
     assert settings.model == args.engine.model
     assert settings.served_model_name == args.engine.served_model_name
     assert settings.max_model_len == args.engine.max_model_len
+    # A shared gateway: keys required, and every tenant under limits.
+    assert settings.auth == "keys"
+    assert settings.tenant_limits.max_running > 0
 
 
 # -- charserve deploy's completion of a config ------------------------------------------

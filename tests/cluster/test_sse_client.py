@@ -131,9 +131,9 @@ async def test_a_non_200_reply_is_an_error_with_its_body() -> None:
     body = b'{"error": {"message": "no such model"}}'
     sample, _ = run([b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n" % len(body) + body])
     assert not sample.ok and sample.error.startswith("HTTP 404") and "no such model" in sample.error
-    chunked = b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"x" * 300)
+    chunked = b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"x" * 600)
     sample, _ = run([chunked + b"0\r\n\r\n"])
-    assert sample.error == f"HTTP 503: {b'x' * 200!r}"
+    assert sample.error == f"HTTP 503: {b'x' * 400!r}"
 
 
 async def test_keep_alive_reuses_the_connection_unless_the_server_closes_it() -> None:

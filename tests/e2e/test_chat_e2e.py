@@ -227,3 +227,44 @@ async def test_disconnect_aborts_the_engine_request(stack: Stack) -> None:
     # The worker aborted the vLLM request: it ended as cancelled, long before 1500 tokens.
     assert final.error_code == "cancelled"
     assert final.completion_tokens < 200
+
+
+async def test_json_schema_reply_validates_on_the_real_engine(
+    client: openai.AsyncOpenAI,
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    reply = await client.chat.completions.create(
+        model=MODEL,
+        max_tokens=48,
+        temperature=0,
+        messages=[{"role": "user", "content": "Describe a pirate captain as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "captain", "schema": schema},
+        },
+    )
+    data = json.loads(reply.choices[0].message.content or "")
+    assert set(data) == {"name", "age"}
+    assert isinstance(data["name"], str) and isinstance(data["age"], int)
+    choice = await client.chat.completions.create(
+        model=MODEL,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Pick a side."}],
+        extra_body={"structured_outputs": {"choice": ["port", "starboard"]}},
+    )
+    assert choice.choices[0].message.content in ("port", "starboard")
+
+
+async def test_seed_is_refused_on_the_cpu_engine_with_the_reason(
+    client: openai.AsyncOpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=MODEL, max_tokens=4, seed=7, messages=[{"role": "user", "content": "x"}]
+        )
+    assert "seed" in info.value.message and "CPU" in info.value.message

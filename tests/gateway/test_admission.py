@@ -14,7 +14,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job, WorkerStats
 from cluster.wire.queue import JobQueue
-from gateway.chat.admission import estimate_ttft_ms
+from gateway.chat.admission import capped_wait_ms, estimate_ttft_ms
 from gateway.chat.capacity import Capacity, summarize
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
@@ -42,6 +42,16 @@ def test_the_estimate_has_a_floor_and_grows_with_the_prompt() -> None:
     assert estimate_ttft_ms(measured, ahead=0, prompt_tokens=1000) == 500.0
 
 
+def test_a_tenant_at_its_cap_waits_for_its_own_slots() -> None:
+    # 16 slots all busy, 8 finishing per second: half a job per slot per second.
+    cap = Capacity(workers=1, slots=16, free_slots=0, completed_per_s=8.0)
+    # Capped at 2 running (and running 2): its jobs start at 1 per second.
+    assert capped_wait_ms(cap, own_ahead=3, running=2, max_running=2) == pytest.approx(4000.0)
+    # Below its cap, or with no cap, the tenant waits as everyone does.
+    assert capped_wait_ms(cap, own_ahead=3, running=1, max_running=2) == 0.0
+    assert capped_wait_ms(cap, own_ahead=3, running=2, max_running=0) == 0.0
+
+
 def test_summary_ignores_draining_workers() -> None:
     stats = [
         WorkerStats(
@@ -53,6 +63,7 @@ def test_summary_ignores_draining_workers() -> None:
     ]
     cap = summarize(stats, waiting=3, now_s=0.0)
     assert (cap.workers, cap.free_slots, cap.completed_per_s, cap.prefill_ms) == (1, 6, 1.0, 80)
+    assert cap.slots == 8
 
 
 async def _heartbeat(redis: aioredis.Redis, keys: Keys, stats: WorkerStats) -> None:
@@ -130,6 +141,21 @@ async def test_feasible_budget_and_batch_are_admitted(
         return await redis.zcard(keys.queue) == 6
 
     await eventually(back_to_six)
+
+
+async def test_a_batch_request_with_a_short_budget_is_judged_like_any_other(
+    busy_cluster: tuple[str, Keys], redis: aioredis.Redis
+) -> None:
+    base_url, keys = busy_cluster
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        resp = await http.post(
+            "/v1/chat/completions",
+            json=BODY,
+            headers={"X-Priority": "batch", "X-Latency-Budget-Ms": "1500"},
+        )
+    # Behind all 6 waiting jobs it cannot start within 1.5 s: refused now, not expired later.
+    assert resp.status_code == 429 and resp.headers["x-charserve-drop-reason"] == "budget"
+    assert await redis.zcard(keys.queue) == 6
 
 
 async def test_queue_bound_refuses_even_batch(

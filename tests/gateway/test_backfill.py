@@ -4,6 +4,7 @@ context-window trimming, and both output formats."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -241,3 +242,22 @@ def test_parse_spec_refuses_bad_lines(raw: str) -> None:
 
     with pytest.raises(LineError):
         parse_spec(raw, 1)
+
+
+async def test_replicas_that_cannot_honour_seeds_make_an_unseeded_run(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    engine = gateway.engine
+    engine.seeds = False  # as vLLM's CPU engine: the gateway refuses seeds at the door
+    try:
+        await asyncio.sleep(0.6)  # the next heartbeats say so
+        source = tmp_path / "in.jsonl"
+        out = tmp_path / "out.jsonl"
+        source.write_text("".join(dialogue(f"d{n}", turns=1, seed=n) + "\n" for n in range(3)))
+        before = len(engine.started)
+        report = await backfill(source, out, options(gateway))
+    finally:
+        engine.seeds = True
+    assert (report.completed, report.failed) == (3, 0)
+    jobs = [engine.jobs[j] for j in engine.started[before:]]
+    assert jobs and all("seed" not in j.sampling for j in jobs)

@@ -175,14 +175,23 @@ async def test_sampling_fields_reach_the_engine_and_nothing_else_is_carried(
             "messages": MESSAGES,
             "max_tokens": 1,
             "top_k": 5,
-            "mirostat_mode": 2,
             "temperature": 0.7,
             "stop": "END",
+            "user": "end-user-7",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            },
         },
     )
     assert resp.status_code == 200, resp.text
     sampling = gateway.engine.jobs[job_id(resp)].sampling
-    assert sampling == {"top_k": 5, "temperature": 0.7, "stop": ["END"]}
+    assert sampling == {
+        "top_k": 5,
+        "temperature": 0.7,
+        "stop": ["END"],
+        "structured_outputs": {"json": {"type": "object"}},
+    }
 
 
 def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
@@ -233,6 +242,60 @@ def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
             "logit_bias",
         ),
         ("body not an object", [1, 2], 400, "invalid_json", None),
+        # No field is ignored: an unknown or a refused one is a 400 that names it.
+        ("unknown field", {**ok, "mirostat_mode": 2}, 400, "unsupported_field", "mirostat_mode"),
+        ("tools", {**ok, "tools": [{"type": "function"}]}, 400, "unsupported_field", "tools"),
+        ("logprobs", {**ok, "logprobs": True}, 400, "unsupported_field", "logprobs"),
+        ("store", {**ok, "store": True}, 400, "unsupported_field", "store"),
+        (
+            "message tool_calls",
+            {**ok, "messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
+            400,
+            "unsupported_field",
+            "messages.0.tool_calls",
+        ),
+        (
+            "unknown stream option",
+            {**ok, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+            400,
+            "invalid_value",
+            "stream_options.x",
+        ),
+        (
+            "stream_options without stream",
+            {**ok, "stream_options": {"include_usage": True}},
+            400,
+            "invalid_value",
+            "stream_options",
+        ),
+        (
+            "two constraints",
+            {**ok, "guided_regex": "a+", "response_format": {"type": "json_object"}},
+            400,
+            "invalid_value",
+            "response_format",
+        ),
+        (
+            "json_schema without schema",
+            {**ok, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            400,
+            "invalid_value",
+            "response_format",
+        ),
+        (
+            "continue a user message",
+            {**ok, "add_generation_prompt": False, "continue_final_message": True},
+            400,
+            "invalid_value",
+            "continue_final_message",
+        ),
+        (
+            "template kwarg overwrites an input",
+            {**ok, "chat_template_kwargs": {"messages": "x"}},
+            400,
+            "invalid_request",
+            "chat_template_kwargs.messages",
+        ),
     ]
 
 

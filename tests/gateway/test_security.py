@@ -221,13 +221,19 @@ async def test_unknown_fields_are_not_stored_and_queued_bytes_are_bounded(
             # A tenant's waiting bytes are bounded by its limits.
             admin = ApiKeys(stack.redis, stack.keys)
             await admin.set_limits("mallory", Limits(max_waiting_bytes=1))
-            refused = await mallory.post("/v1/chat/completions", json=body(2))
+            refused = await mallory.post(
+                "/v1/chat/completions",
+                json=body(2),
+                headers={"X-Latency-Budget-Ms": "600000"},  # within budget: the cap decides
+            )
             await admin.set_limits("mallory", Limits())
             assert refused.status_code == 429
             assert refused.json()["error"]["code"] == "tenant_queue_full"
         finally:
             stack.engine.release.set()
-        assert (await big).status_code == 200
+        refused_big = await big
+        assert refused_big.status_code == 400  # an unknown field is refused, never dropped
+        assert refused_big.json()["error"]["param"] == "junk"
         assert all(r.status_code == 200 for r in await asyncio.gather(*filler))
 
 
@@ -507,6 +513,32 @@ async def test_a_flood_of_batch_jobs_with_short_budgets_lengthens_only_its_own_w
         await asyncio.gather(*flood, *chats)
     assert [status for status, _ in mine] == [200] * 5  # never refused for budget
     assert max(seconds for _, seconds in mine) < 2.0
+
+
+async def test_a_job_no_worker_can_take_is_refused_at_its_deadline(stack: Stack) -> None:
+    async with stack.client(stack.mallory) as mallory:
+        stack.engine.release.clear()  # every slot held: nothing queued can start
+        try:
+            held = [
+                asyncio.create_task(mallory.post("/v1/chat/completions", json=body(2)))
+                for _ in range(8)
+            ]
+            await stack.engine.wait_until(lambda: stack.engine.running == 8)
+            started = time.perf_counter()
+            late = await mallory.post(
+                "/v1/chat/completions",
+                json=body(2),
+                headers={"X-Priority": "batch", "X-Latency-Budget-Ms": "1500"},
+            )
+            waited_s = time.perf_counter() - started
+            waiting = await stack.redis.zcard(stack.keys.queue)
+        finally:
+            stack.engine.release.set()
+        assert all(r.status_code == 200 for r in await asyncio.gather(*held))
+    # Answered at its deadline (plus the grace), not at the request timeout; and gone.
+    assert late.status_code == 429 and late.json()["error"]["code"] == "expired"
+    assert waited_s < 1.5 + 2.0
+    assert waiting == 0
 
 
 async def test_a_tenant_may_not_use_a_class_or_budget_beyond_its_limits(stack: Stack) -> None:

@@ -50,6 +50,11 @@ class Engine(Protocol):
         """Requests the engine runs at once (its batch slots)."""
         ...
 
+    @property
+    def honours_seed(self) -> bool:
+        """Whether a job's ``seed`` makes its sampling reproducible on this engine."""
+        ...
+
     def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         """Stream the reply to ``job``; cancelling the iteration aborts the request."""
         ...

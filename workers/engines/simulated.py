@@ -78,6 +78,10 @@ class SimulatedEngine:
     def max_slots(self) -> int:
         return self._config.max_num_seqs
 
+    @property
+    def honours_seed(self) -> bool:
+        return True  # its text is a function of the job alone
+
     async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
         state = self._admit(job, outputs.put_nowait)

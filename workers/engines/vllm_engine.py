@@ -75,30 +75,53 @@ class VllmEngine:
     def max_slots(self) -> int:
         return self._config.max_num_seqs
 
+    @property
+    def honours_seed(self) -> bool:
+        # vLLM's CPU build kills the engine on a seeded request whose prefill is chunked.
+        return self._config.device != "cpu"
+
     async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         prompt_ids = [*job.prompt_token_ids, *job.resume_token_ids]
         try:
             kwargs = sampling_kwargs(job.sampling)
-            if self._config.device == "cpu" and kwargs.pop("seed", None) is not None:
+            if not self.honours_seed and kwargs.get("seed") is not None:
                 # vLLM's CPU build kills the whole engine ("CPU Generator does not use
                 # offset") when a seeded request's prefill is chunked: a seed from one
-                # client must not take the replica down, so CPU replicas ignore it.
-                log.debug("seed ignored on the CPU engine", request_id=job.id)
+                # client must not take the replica down, and must not be dropped silently.
+                raise InvalidJobError(
+                    "seed is not supported on the CPU engine (vLLM's CPU sampler fails on "
+                    "a seeded request whose prefill is chunked); leave it out, or use a GPU "
+                    "replica"
+                )
+            constraint = kwargs.pop("structured_outputs", None)
+            if constraint is not None:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                kwargs["structured_outputs"] = StructuredOutputsParams(**constraint)
             params = SamplingParams(
                 **kwargs,
                 max_tokens=job.max_tokens - len(job.resume_token_ids),
                 output_kind=RequestOutputKind.DELTA,
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, VLLMClientError) as exc:
             raise InvalidJobError(str(exc)) from exc
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=prompt_ids), params, job.id, priority=priority
         )
-        async for out in stream:
+        try:
+            # vLLM validates a request (a structured-output schema, say) as it is added,
+            # which happens on the first step of this generator: that is the job's fault.
+            first = await anext(stream)
+        except (ValueError, VLLMClientError) as exc:
+            raise InvalidJobError(str(exc)) from exc
+        except StopAsyncIteration:
+            return
+        async for out in _chain(first, stream):
             completion = out.outputs[0]
             yield EngineOutput(
                 text=completion.text,
@@ -116,3 +139,10 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``first``, then the rest of ``rest``."""
+    yield first
+    async for item in rest:
+        yield item

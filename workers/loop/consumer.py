@@ -45,6 +45,8 @@ log = structlog.get_logger(__name__)
 # sample, then fades with this time constant.
 PREFILL_FRESH_S = 5.0
 PREFILL_FADE_S = 30.0
+# The window the reported completion rate is smoothed over (s).
+COMPLETION_RATE_WINDOW_S = 5.0
 
 
 def new_worker_id() -> str:
@@ -98,6 +100,7 @@ class Consumer:
         self._claimed_total = 0
         self._tokens_since_beat = 0
         self._completed_since_beat = 0
+        self._completed_per_s = 0.0  # smoothed (COMPLETION_RATE_WINDOW_S)
         self._prefill_ms_avg = 0.0
         self._prefill_per_token = 0.0
         self._prefill_at_s = 0.0
@@ -295,7 +298,10 @@ class Consumer:
             outcome = "error"
             self._fail(stream, ErrorCode.INTERNAL, f"generation failed: {exc}")
         finally:
-            self._completed_since_beat += 1
+            if outcome != ErrorCode.EXPIRED:
+                # A job dropped unrun (late) freed no engine slot: it is not throughput,
+                # and counting it would tell admission the cluster drains faster in a flood.
+                self._completed_since_beat += 1
             self._running.pop(job.id, None)
             self._jobs.pop(job.id, None)
             self._batch_running.discard(job.id)
@@ -459,6 +465,13 @@ class Consumer:
             except RedisError as exc:
                 log.warning("heartbeat failed", error=str(exc))
 
+    def _completion_rate(self, rate: float, elapsed_s: float) -> float:
+        """Jobs finished per second, smoothed over about COMPLETION_RATE_WINDOW_S: a beat
+        in which none of a few long jobs happened to end does not read as "no drain"."""
+        weight = 1.0 - math.exp(-elapsed_s / COMPLETION_RATE_WINDOW_S)
+        self._completed_per_s += weight * (rate - self._completed_per_s)
+        return self._completed_per_s
+
     async def _beat(self) -> None:
         assert self._redis is not None and self._queue is not None
         now_s = time.monotonic()
@@ -471,9 +484,10 @@ class Consumer:
             decode_tokens_per_s=self._tokens_since_beat / elapsed,
             claimed_total=self._claimed_total,
             draining=self._stopping,
-            completed_per_s=self._completed_since_beat / elapsed,
+            completed_per_s=self._completion_rate(self._completed_since_beat / elapsed, elapsed),
             prefill_ms=self._reported_prefill_ms(now_s),
             prefill_ms_per_token=self._prefill_per_token,
+            honours_seed=self._engine.honours_seed,
         )
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s

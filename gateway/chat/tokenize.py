@@ -1,0 +1,180 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, and ``GET /v1/models/{id}``.
+
+Frontends count tokens to budget a context: ``/tokenize`` of chat messages renders them
+with the same template and options as a chat request and counts exactly what admission
+counts. Both routes need a key, as ``/v1`` does, and are bounded as a chat's prompt is;
+long texts are tokenized off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.chat.prompts import PromptBuilder, TemplateOptions
+from gateway.chat.schemas import ChatMessage, ModelCard
+from gateway.http.errors import BadRequest, NotFound
+from gateway.http.openapi import error_responses, ok
+from gateway.services import services
+
+# Texts longer than this are tokenized on a thread (the chat route's threshold).
+_ON_LOOP_CHARS = 16_384
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` body: a ``prompt`` (completion style), or chat ``messages``
+    rendered with the model's template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=16)
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's ``/tokenize`` answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize`` body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(BaseModel):
+    """vLLM's ``/detokenize`` answer."""
+
+    prompt: str
+
+
+def model_card(name: str, max_model_len: int) -> dict[str, Any]:
+    """The served model as OpenAI describes a model (with vLLM's ``max_model_len``)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "charserve",
+        "max_model_len": max_model_len,
+    }
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    served = services(request).settings.served_model_name
+    if model is not None and model != served:
+        raise NotFound(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+async def tokenize(prompts: PromptBuilder, body: TokenizeRequest) -> list[int]:
+    """The token ids ``body`` asks for: its messages as the chat route renders them (the
+    count admission charges), or its prompt."""
+    if (body.prompt is None) == (body.messages is None):
+        raise BadRequest("give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        if body.continue_final_message and (
+            body.add_generation_prompt or body.messages[-1].role != "assistant"
+        ):
+            raise BadRequest(
+                "continue_final_message needs add_generation_prompt: false and the "
+                "assistant's message last",
+                param="continue_final_message",
+            )
+        if body.add_special_tokens:
+            raise BadRequest(
+                "add_special_tokens is for prompts: the chat template places its own",
+                param="add_special_tokens",
+            )
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in body.messages
+        ]
+        chars = sum(len(m["content"]) for m in messages)
+        _bounded(prompts, chars)
+        options = TemplateOptions.checked(
+            body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        )
+        if chars <= _ON_LOOP_CHARS:
+            return prompts.encode(messages, options)
+        return await asyncio.to_thread(prompts.encode, messages, options)
+    text = body.prompt or ""
+    _bounded(prompts, len(text))
+    special = True if body.add_special_tokens is None else body.add_special_tokens
+    if len(text) <= _ON_LOOP_CHARS:
+        return prompts.encode_text(text, special)
+    return await asyncio.to_thread(prompts.encode_text, text, special)
+
+
+def _bounded(prompts: PromptBuilder, chars: int) -> None:
+    if chars > prompts.max_prompt_chars:
+        raise BadRequest(
+            f"at most {prompts.max_prompt_chars} characters are tokenized, got {chars}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+
+
+def router() -> APIRouter:
+    """The token routes and the model route."""
+    api = APIRouter()
+
+    @api.post(
+        "/tokenize", responses={**ok(TokenizeResponse, "The tokens."), **error_responses(400, 404)}
+    )
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        """Token ids of a prompt or of chat messages (vLLM's route)."""
+        _check_model(request, body.model)
+        prompts = services(request).prompts
+        tokens = await tokenize(prompts, body)
+        strs = prompts.token_strs(tokens) if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": prompts.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
+    @api.post(
+        "/detokenize",
+        responses={**ok(DetokenizeResponse, "The text."), **error_responses(400, 404)},
+    )
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        """The text of token ids (vLLM's route)."""
+        _check_model(request, body.model)
+        prompts = services(request).prompts
+        if any(t >= prompts.vocab_size for t in body.tokens):
+            bad = next(t for t in body.tokens if t >= prompts.vocab_size)
+            raise BadRequest(f"{bad} is not a token id of this model", param="tokens")
+        if len(body.tokens) <= _ON_LOOP_CHARS // 4:
+            return {"prompt": prompts.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(prompts.decode, body.tokens)}
+
+    @api.get(
+        "/v1/models/{model_id}",
+        responses={**ok(ModelCard, "The model."), **error_responses(404)},
+    )
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        """One served model (the openai client's ``models.retrieve``)."""
+        settings = services(request).settings
+        if model_id != settings.served_model_name:
+            raise NotFound(
+                f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
+            )
+        return model_card(settings.served_model_name, settings.max_model_len)
+
+    return api
