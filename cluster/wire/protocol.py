@@ -47,6 +47,7 @@ SAMPLING_FIELDS = frozenset(
         "allowed_token_ids",
         "bad_words",
         "structured_outputs",
+        "logprobs",
     }
 )
 
@@ -104,6 +105,10 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)
     # v2: when the worker published this chunk (wall clock, ms), for the relay lag.
     sent_ms: float = 0.0
+    # v4: for a job that asked for logprobs, one entry per token of ``token_ids``:
+    # ``[text, logprob, [[alternative text, logprob], ...]]`` (the top alternatives, best
+    # first). Empty otherwise.
+    logprobs: list[Any] = field(default_factory=list)
 
     @property
     def is_final(self) -> bool:
@@ -213,6 +218,7 @@ class ChunkEncoder:
         prefill_ms: float,
         token_ids: list[int],
         sent_ms: float,
+        logprobs: list[Any],
     ) -> bytes:
         """An encoded :class:`Chunk`; the parameters are its fields, in their order."""
         return self._pack(
@@ -233,6 +239,7 @@ class ChunkEncoder:
                 prefill_ms,
                 token_ids,
                 sent_ms,
+                logprobs,
             ]
         )
 

@@ -494,6 +494,9 @@ class Position:
     own_ahead: int
     tenants: int
     running: int = 0
+    # Jobs claimed now, by every worker: the live count behind the workers' free slots,
+    # which their heartbeats report up to a beat late.
+    claimed: int = 0
 
     @property
     def fair_ahead(self) -> int:
@@ -804,12 +807,14 @@ class JobQueue:
             pipe.zcard(k.backlogged(job.priority_class))
             pipe.zscore(k.backlogged(job.priority_class), job.tenant)
             pipe.hget(k.tenant_running, job.tenant)
-            ahead, own, tenants, waiting, running = await pipe.execute()
+            pipe.zcard(k.leases)
+            ahead, own, tenants, waiting, running, claimed = await pipe.execute()
         return Position(
             int(ahead),
             int(own),
             int(tenants) + (0 if waiting is not None else 1),
             int(running or 0),
+            int(claimed),
         )
 
     async def stats(self) -> QueueStats:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 ENDPOINT: Final = "/v1/chat/completions"
+TEXT_ENDPOINT: Final = "/v1/completions"
+ENDPOINTS: Final = (ENDPOINT, TEXT_ENDPOINT)
 COMPLETION_WINDOW: Final = "24h"
 WINDOW_S: Final = 24 * 3600
 FINAL_STATUSES: Final = ("failed", "completed", "expired", "cancelled")
@@ -84,6 +86,7 @@ class BatchState:
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None
+    endpoint: str = ENDPOINT
 
     @classmethod
     def from_hash(cls, tenant: str, raw: Mapping[Any, Any]) -> BatchState:
@@ -98,6 +101,7 @@ class BatchState:
             created_at=int(static["created_at"]),
             expires_at=int(fields.get("expires_at", static["expires_at"])),
             metadata=static.get("metadata"),
+            endpoint=static.get("endpoint", ENDPOINT),
             total=int(fields.get("total", 0)),
             completed=int(fields.get("completed", 0)),
             failed=int(fields.get("failed", 0)),
@@ -112,7 +116,7 @@ class BatchState:
         return {
             "id": self.id,
             "object": "batch",
-            "endpoint": ENDPOINT,
+            "endpoint": self.endpoint,
             "errors": {"object": "list", "data": self.errors} if self.errors else None,
             "input_file_id": self.input_file_id,
             "completion_window": COMPLETION_WINDOW,

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from redis.exceptions import RedisError
 
 from cluster.runtime.settings import Settings
-from gateway.batches.objects import COMPLETION_WINDOW, ENDPOINT
+from gateway.batches.objects import COMPLETION_WINDOW, ENDPOINTS
 from gateway.batches.schemas import (
     FILE_CONTENT_RESPONSES,
     FILE_UPLOAD_EXTRA,
@@ -199,9 +199,9 @@ def router() -> APIRouter:
     )
     async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
         """Create a batch from an uploaded file; it starts in ``validating``."""
-        if body.endpoint != ENDPOINT:
+        if body.endpoint not in ENDPOINTS:
             raise BadRequest(
-                f"endpoint must be {ENDPOINT}, the only one this server batches",
+                f"endpoint must be one of {', '.join(ENDPOINTS)}",
                 param="endpoint",
                 code="invalid_value",
             )
@@ -224,7 +224,9 @@ def router() -> APIRouter:
                     param="input_file_id",
                 )
             limits = await services(request).auth.limits(tenant)
-            state = await store.create_batch(tenant, file.id, body.metadata, limits.max_batches)
+            state = await store.create_batch(
+                tenant, file.id, body.metadata, limits.max_batches, body.endpoint
+            )
         if state is None:
             raise _file_not_found(body.input_file_id)
         services(request).batch_runner.wake()

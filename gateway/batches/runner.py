@@ -59,10 +59,10 @@ from gateway.batches.lines import (
     output_line,
     parse_input,
 )
-from gateway.batches.objects import BatchState
+from gateway.batches.objects import TEXT_ENDPOINT, BatchState
 from gateway.batches.store import BatchStore
 from gateway.chat.admission import classify
-from gateway.chat.schemas import ChatCompletionRequest
+from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.chat.service import ChatContext, ChatService
 from gateway.http.errors import APIError, BadRequest
 
@@ -245,7 +245,9 @@ class BatchRunner:
             data = await self._store.input(*ref)
             if data is None:
                 return None
-            parsed = await asyncio.to_thread(parse_input, data, self._settings.batch_max_lines)
+            parsed = await asyncio.to_thread(
+                parse_input, data, self._settings.batch_max_lines, state.endpoint
+            )
             self._inputs[ref] = parsed
         return parsed
 
@@ -363,7 +365,8 @@ class BatchRunner:
         ref = (state.tenant, state.id)
         assert line.body is not None
         try:
-            request = ChatCompletionRequest.model_validate({**line.body, "stream": False})
+            model = CompletionRequest if state.endpoint == TEXT_ENDPOINT else ChatCompletionRequest
+            request = model.model_validate({**line.body, "stream": False})
         except ValidationError as exc:
             error = BadRequest(_validation_message(exc), code="invalid_value")
             return api_error_line(line, job_id, error), "failed"
@@ -414,13 +417,18 @@ class BatchRunner:
                 running.job_id = new_id
 
     async def _complete_once(
-        self, state: BatchState, request: ChatCompletionRequest, line: InputLine, job_id: str
+        self, state: BatchState, request: SamplingRequest, line: InputLine, job_id: str
     ) -> bytes:
         now = self._clock.now_ms()
         budget_ms = max(1, state.expires_at * 1000 - now)
         # The deadline is the batch's expiry: EDF runs older batches' lines first.
         admission = classify(self._settings, now, "batch", str(budget_ms))
-        response = await self._chat.complete(request, ChatContext(job_id, state.tenant, admission))
+        ctx = ChatContext(job_id, state.tenant, admission)
+        if isinstance(request, CompletionRequest):
+            response = await self._chat.complete_text(request, ctx)
+        else:
+            assert isinstance(request, ChatCompletionRequest)
+            response = await self._chat.complete(request, ctx)
         body = json.loads(bytes(response.body))
         return output_line(line, job_id, body)
 

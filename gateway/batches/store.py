@@ -43,6 +43,7 @@ from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
 from cluster.wire.queue import NOW_MS_LUA
 from gateway.batches.objects import (
+    ENDPOINT,
     WINDOW_S,
     BatchState,
     FileObject,
@@ -344,6 +345,7 @@ class BatchStore:
         input_file_id: str,
         metadata: dict[str, str] | None,
         max_open: int = 0,
+        endpoint: str = ENDPOINT,
     ) -> BatchState | None:
         """A new batch in ``validating``, with a private copy of its input file; None if
         the input file vanished meanwhile; 429 when the tenant has ``max_open`` batches
@@ -359,8 +361,10 @@ class BatchStore:
             created_at=now,
             expires_at=now + WINDOW_S,
             metadata=metadata,
+            endpoint=endpoint,
         )
         static = {
+            "endpoint": endpoint,
             "id": state.id,
             "input_file_id": input_file_id,
             "created_at": now,

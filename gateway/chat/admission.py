@@ -16,7 +16,7 @@ meet is refused at the door rather than left to expire in the queue.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.runtime.clock import RedisClock
 from cluster.runtime.settings import Settings
@@ -183,6 +183,10 @@ class Admitter:
             # for its own to finish, however free the cluster is.
             position = await self._queue.position(job)
             ahead = position.ahead if batch else position.fair_ahead
+            # Free slots as the leases say now: a heartbeat reports them up to a beat
+            # late, and a closed loop's requests arrive just as earlier replies free
+            # their slots (a stale "none free" refused half of them).
+            capacity = replace(capacity, free_slots=max(0, capacity.slots - position.claimed))
             capped_ms = capped_wait_ms(capacity, position.own_ahead, position.running, max_running)
         prompt_tokens, floor_ms = len(job.prompt_token_ids), self._settings.admission_floor_ms
         estimate = max(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -275,12 +276,15 @@ class ChatCall:
 
         async def rest() -> tuple[str, Chunk]:
             parts, final = [first.text], first
+            logprobs = list(first.logprobs)
             if not first.is_final:
                 async for chunk in self._chunks:
                     self._note(chunk)
                     parts.append(chunk.text)
+                    logprobs.extend(chunk.logprobs)
                     final = chunk
-            return "".join(parts), final
+            # The whole reply's logprobs ride on its final chunk.
+            return "".join(parts), replace(final, logprobs=logprobs) if logprobs else final
 
         text, final = await race_disconnect(rest(), receive)
         self.end(Outcome.of_error(final.error_code))

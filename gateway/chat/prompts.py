@@ -12,7 +12,11 @@ from typing import Any
 
 import structlog
 
-from gateway.chat.schemas import ChatCompletionRequest
+from gateway.chat.schemas import (
+    TEXT_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from gateway.http.errors import BadRequest
 
 log = structlog.get_logger(__name__)
@@ -214,6 +218,38 @@ class PromptBuilder:
         return Prompt(
             token_ids, asked if asked is not None else min(self._default_max_tokens, room)
         )
+
+    def build_text(self, request: CompletionRequest) -> Prompt:
+        """A text completion's prompt: its text tokenized as is (no template), or its token
+        ids checked against the vocabulary; 400 if it cannot fit."""
+        if isinstance(request.prompt, str):
+            if len(request.prompt) > self.max_prompt_chars:
+                raise BadRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your prompt holds {len(request.prompt)} characters, more "
+                    "than that many tokens can. Please reduce the length of the prompt.",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+            token_ids = self.encode_text(request.prompt, request.add_special_tokens)
+        else:
+            token_ids = list(request.prompt)
+            vocab = self.vocab_size
+            bad = next((t for t in token_ids if t >= vocab), None)
+            if bad is not None:
+                raise BadRequest(f"{bad} is not a token id of this model", param="prompt")
+        prompt_len = len(token_ids)
+        asked = request.max_tokens if request.max_tokens is not None else TEXT_DEFAULT_MAX_TOKENS
+        if prompt_len + asked > self.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + asked} tokens ({prompt_len} in the "
+                f"prompt, {asked} in the completion). Please reduce the length of the "
+                "prompt or completion.",
+                param="max_tokens" if prompt_len < self.max_model_len else "prompt",
+                code="context_length_exceeded",
+            )
+        return Prompt(token_ids, asked)
 
 
 def prompt_chars(messages: list[dict[str, str]]) -> int:

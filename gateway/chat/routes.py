@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``, the resume route of its streams, and ``/v1/models``."""
+"""``POST /v1/chat/completions``, ``POST /v1/completions``, the resume route of their
+streams, and ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.chat.admission import classify
-from gateway.chat.schemas import (
+from gateway.chat.responses import (
     CHAT_COMPLETION_EXTRA,
     CHAT_COMPLETION_RESPONSES,
     CHAT_EVENTS_EXTRA,
     CHAT_EVENTS_RESPONSES,
     MODELS_RESPONSES,
-    ChatCompletionRequest,
+    TEXT_COMPLETION_RESPONSES,
 )
+from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.chat.service import ChatContext
 from gateway.chat.tokenize import model_card
 from gateway.http.context import client_request_id, flag, request_id, tenant
@@ -24,6 +26,27 @@ from gateway.streaming.resume import parse_last_event_id, replay
 from gateway.streaming.socket_writer import RAW_SEND
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _context(request: Request) -> ChatContext:
+    """A completion request's admission and its connection's options (headers)."""
+    s = services(request)
+    admission = classify(
+        s.settings,
+        s.clock.now_ms(),
+        request.headers.get("x-priority"),
+        request.headers.get("x-latency-budget-ms"),
+    )
+    return ChatContext(
+        request_id(request),
+        tenant(request),
+        admission,
+        receive=request.receive,
+        client_request_id=client_request_id(request),
+        resumable=flag(request, "x-resumable"),
+        event_ids=flag(request, "x-event-ids"),
+        raw_send=request.scope.get(RAW_SEND),
+    )
 
 
 def router() -> APIRouter:
@@ -38,24 +61,17 @@ def router() -> APIRouter:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI Chat Completions, streaming (SSE) or not."""
-        s = services(request)
-        admission = classify(
-            s.settings,
-            s.clock.now_ms(),
-            request.headers.get("x-priority"),
-            request.headers.get("x-latency-budget-ms"),
-        )
-        ctx = ChatContext(
-            request_id(request),
-            tenant(request),
-            admission,
-            receive=request.receive,
-            client_request_id=client_request_id(request),
-            resumable=flag(request, "x-resumable"),
-            event_ids=flag(request, "x-event-ids"),
-            raw_send=request.scope.get(RAW_SEND),
-        )
-        return await s.chat.complete(body, ctx)
+        return await services(request).chat.complete(body, _context(request))
+
+    @api.post(
+        "/v1/completions",
+        response_model=None,
+        responses=TEXT_COMPLETION_RESPONSES,
+        openapi_extra=CHAT_COMPLETION_EXTRA,
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI (legacy) Completions: a prompt continued as is, streaming or not."""
+        return await services(request).chat.complete_text(body, _context(request))
 
     @api.get(
         "/v1/chat/completions/{completion_id}/events",
@@ -68,7 +84,7 @@ def router() -> APIRouter:
         """Resume a streamed reply: the events after ``Last-Event-ID``, then live."""
         s = services(request)
         caller = tenant(request)
-        job_id = completion_id.removeprefix("chatcmpl-")
+        job_id = completion_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
         after = parse_last_event_id(request.headers.get("last-event-id"))
         limits = await s.auth.limits(caller)
         meta = await s.readers.begin(s.keys, job_id, caller, limits.max_streams)

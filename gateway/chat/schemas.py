@@ -6,9 +6,7 @@ not serve (:data:`REFUSED_FIELDS`) is refused with a 400 that names it and says 
 it holds its neutral value (``logprobs: false``); any other field is refused as unknown.
 docs/api.md lists every field and what happens to it.
 
-The response models and ``*_RESPONSES`` / ``*_EXTRA`` tables at the end only document the
-routes in the OpenAPI document (``responses=`` and ``openapi_extra=`` of the route
-decorators); handlers build their bodies themselves.
+The response shapes, for the OpenAPI document, are in :mod:`gateway.chat.responses`.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from cluster.wire.protocol import SAMPLING_FIELDS
-from cluster.wire.vocabulary import PriorityClass
-from gateway.http.openapi import ERROR_RESPONSES, error_responses, ok
 
 # Bounds on the lists a request may send: vLLM checks every stop string and bad word at
 # every token, and walks logit_bias and allowed_token_ids at every step, so their sizes
@@ -31,6 +27,9 @@ MAX_STOP_CHARS = 256
 MAX_BAD_WORDS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's own bound
 MAX_ALLOWED_TOKEN_IDS = 10_000
+# OpenAI's bounds on the alternatives per token (chat, and the legacy completions API).
+MAX_TOP_LOGPROBS = 20
+MAX_TEXT_LOGPROBS = 5
 
 
 # OpenAI and vLLM chat fields this server does not serve, and why: a request that sets one
@@ -40,10 +39,9 @@ REFUSED_FIELDS: dict[str, str] = {
     "tool_choice": "tool calling is not served: no tool parser is configured for this model",
     "functions": "function calling is not served (and deprecated by OpenAI for tools)",
     "function_call": "function calling is not served (and deprecated by OpenAI for tools)",
-    "logprobs": "log probabilities are not returned by this server yet",
-    "top_logprobs": "log probabilities are not returned by this server yet",
     "prompt_logprobs": "log probabilities are not returned by this server yet",
-    "echo": "echo is not served on chat completions",
+    "echo": "echo is not served (send the prompt back from your own copy)",
+    "suffix": "insertion (a suffix after the completion) is not served by this model",
     "audio": "this model produces text only",
     "modalities": "this model produces text only",
     "prediction": "predicted outputs are not served",
@@ -73,7 +71,6 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 # Values of a refused field that ask for nothing, so a client that sends them is served.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
     "echo": (False,),
     "store": (False,),
     "use_beam_search": (False,),
@@ -256,33 +253,16 @@ class StructuredOutputs(BaseModel):
         return out
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` body."""
+class SamplingRequest(BaseModel):
+    """What a chat and a text completion share: the model, streaming, and every sampling
+    field (see the module docstring for the refusal rules)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        populate_by_name=True,
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": "smollm2-135m-instruct",
-                    "messages": [
-                        {"role": "system", "content": "You are Captain Mira Vance."},
-                        {"role": "user", "content": "Introduce yourself."},
-                    ],
-                    "max_tokens": 8,
-                }
-            ]
-        },
-    )
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
@@ -320,17 +300,6 @@ class ChatCompletionRequest(BaseModel):
         default=None, min_length=1, max_length=MAX_CHOICES
     )
     guided_grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
-    # The template: vLLM's chat fields.
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=16)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    # OpenAI's parallel_tool_calls only means something with tools, which are refused.
-    parallel_tool_calls: bool | None = None
-    # charserve's persona chats (docs/api.md): a session turn, or a character's persona
-    # around the client's own messages, and the user's name in it.
-    session_id: str | None = Field(default=None, min_length=1, max_length=128)
-    character_id: str | None = Field(default=None, min_length=1, max_length=128)
-    user_name: str | None = Field(default=None, min_length=1, max_length=128)
 
     @model_validator(mode="before")
     @classmethod
@@ -339,10 +308,10 @@ class ChatCompletionRequest(BaseModel):
         return _refuse_fields(data, set(cls.model_fields), REFUSED_FIELDS)
 
     @model_validator(mode="after")
-    def _carriable(self) -> ChatCompletionRequest:
+    def _carriable(self) -> SamplingRequest:
         """400, not a 500 later, for what the job cannot carry: an integer beyond 64 bits
         (msgpack), text with a lone surrogate (UTF-8, the tokenizer), a logit_bias key
-        that looks like a token id but is not one."""
+        that looks like a token id but is not one; and for options that contradict."""
         found = _uncarriable(self, "")
         for key in self.logit_bias or {}:
             digits = key.removeprefix("-")
@@ -351,19 +320,17 @@ class ChatCompletionRequest(BaseModel):
                     found = ("logit_bias", f"{key!r} is not a token id")
         if found is None and self.stream_options is not None and not self.stream:
             found = ("stream_options", "stream_options is only allowed when stream is true")
-        if found is None and self.continue_final_message and self.add_generation_prompt:
-            found = (
-                "continue_final_message",
-                "continue_final_message needs add_generation_prompt: false",
-            )
-        if found is None and self.continue_final_message and self.messages[-1].role != "assistant":
-            found = ("continue_final_message", "the last message must be the assistant's")
         if found is None and len(self._constraints()) > 1:
             found = ("response_format", f"one constraint at most, got {self._constraints()}")
+        found = found or self._contradiction()
         if found is not None:
             param, why = found
             raise PydanticCustomError("invalid_value", why, {"param": param})
         return self
+
+    def _contradiction(self) -> tuple[str, str] | None:
+        """A subclass's own contradicting options: (param, why)."""
+        return None
 
     def _constraints(self) -> list[str]:
         given = [
@@ -403,7 +370,8 @@ class ChatCompletionRequest(BaseModel):
         out: dict[str, Any] = {
             f: getattr(self, f)
             for f in SAMPLING_FIELDS
-            if f not in ("stop", "logit_bias") and getattr(self, f, None) is not None
+            if f not in ("stop", "logit_bias", "structured_outputs", "logprobs")
+            and getattr(self, f, None) is not None
         }
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -412,7 +380,15 @@ class ChatCompletionRequest(BaseModel):
         structured = self.structured()
         if structured is not None:
             out["structured_outputs"] = structured
+        top = self.top_logprobs_asked()
+        if top is not None:
+            out["logprobs"] = top
         return out
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's logprobs list (0: the token's own only), or
+        None when the request asked for no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -424,6 +400,94 @@ class ChatCompletionRequest(BaseModel):
         """True when the client asked for the usage so far on every chunk."""
         options = self.stream_options
         return bool(self.stream and options and options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions`` body."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        populate_by_name=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "smollm2-135m-instruct",
+                    "messages": [
+                        {"role": "system", "content": "You are Captain Mira Vance."},
+                        {"role": "user", "content": "Introduce yourself."},
+                    ],
+                    "max_tokens": 8,
+                }
+            ]
+        },
+    )
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The template: vLLM's chat fields.
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=16)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # OpenAI's parallel_tool_calls only means something with tools, which are refused.
+    parallel_tool_calls: bool | None = None
+    # charserve's persona chats (docs/api.md): a session turn, or a character's persona
+    # around the client's own messages, and the user's name in it.
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    character_id: str | None = Field(default=None, min_length=1, max_length=128)
+    user_name: str | None = Field(default=None, min_length=1, max_length=128)
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _contradiction(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return ("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            return (
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            return ("continue_final_message", "the last message must be the assistant's")
+        return None
+
+
+# OpenAI's default completion length for text completions (vLLM's too).
+TEXT_DEFAULT_MAX_TOKENS = 16
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions`` body: a prompt as text or token ids, continued as is (no
+    chat template)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        populate_by_name=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "smollm2-135m-instruct",
+                    "prompt": "Captain Mira Vance looked at the stars and said",
+                    "max_tokens": 16,
+                }
+            ]
+        },
+    )
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(
+        min_length=1, max_length=MAX_PROMPT_TOKEN_IDS
+    )
+    add_special_tokens: bool = True
+    # The legacy API's logprobs: how many alternatives per token (OpenAI allows 5).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TEXT_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries
@@ -453,180 +517,3 @@ def _uncarriable(value: Any, path: str) -> tuple[str, str] | None:
         if not _INT_MIN <= value <= _INT_MAX:
             return path, "integers must fit in 64 bits"
     return None
-
-
-# Response shapes, for the OpenAPI document.
-
-FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
-
-
-class PromptTokensDetails(BaseModel):
-    """``usage.prompt_tokens_details``."""
-
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    """Token counts of a reply."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class AssistantMessage(BaseModel):
-    """The reply of a non-streamed completion."""
-
-    role: Literal["assistant"]
-    content: str
-    refusal: None
-
-
-class Choice(BaseModel):
-    """The one choice of a non-streamed completion."""
-
-    index: int
-    message: AssistantMessage
-    logprobs: None
-    finish_reason: FinishReason
-
-
-class ChatCompletion(BaseModel):
-    """A non-streamed ``chat.completion``."""
-
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[Choice]
-    usage: Usage
-
-
-class Delta(BaseModel):
-    """What a chunk adds to the reply (the role only in the first)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    """The choice of a streamed chunk."""
-
-    index: int
-    delta: Delta
-    logprobs: None
-    finish_reason: FinishReason | None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One ``chat.completion.chunk`` of a stream (the data of an SSE event)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-
-
-SSE_EVENT: dict[str, Any] = {
-    "type": "object",
-    "description": "One server-sent event: data is a chat.completion.chunk as JSON, an error "
-    "body as JSON (then [DONE]), or [DONE]; id (only for a resumable request, one sent with "
-    "X-Event-Ids: true, and on the resume route) is the chunk sequence, for Last-Event-ID.",
-    "required": ["data"],
-    "properties": {
-        "data": {"type": "string"},
-        "id": {"type": "string", "pattern": "^[0-9]+$"},
-        "event": {"const": "message"},
-    },
-}
-
-
-class ModelCard(BaseModel):
-    """A served model."""
-
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    """``GET /v1/models``."""
-
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-# ``responses=`` of each route. Errors every route can meet at the edge (401, 413, 500,
-# 503) are added by gateway.http.errors.document_errors.
-CHAT_COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "model": ChatCompletion,
-        "description": "The reply: one chat.completion, or with stream=true a text/event-stream "
-        "of chat.completion.chunk events ending with [DONE].",
-        "content": {"text/event-stream": {"itemSchema": SSE_EVENT}},
-    },
-    **ERROR_RESPONSES,
-}
-CHAT_EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The events after Last-Event-ID, replayed from the log, then live.",
-        "content": {"text/event-stream": {"itemSchema": SSE_EVENT}},
-    },
-    **error_responses(400, 404),
-}
-MODELS_RESPONSES = ok(ModelList, "The served model.")
-
-
-def _header(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "in": "header",
-        "name": name,
-        "required": False,
-        "description": description,
-        "schema": schema,
-    }
-
-
-# ``openapi_extra=`` of routes that read headers or a raw body themselves.
-CHAT_COMPLETION_EXTRA: dict[str, Any] = {
-    "parameters": [
-        _header(
-            "X-Priority",
-            "Admission class (default interactive).",
-            {"type": "string", "enum": [c.value for c in PriorityClass]},
-        ),
-        _header(
-            "X-Latency-Budget-Ms",
-            "Time-to-first-token budget in ms, instead of the class's.",
-            {"type": "integer", "minimum": 1},
-        ),
-        _header(
-            "X-Resumable",
-            "true: keep generating when the client disconnects, so it can resume; the "
-            "events carry id: lines for Last-Event-ID.",
-            {"type": "string", "enum": ["true", "false"]},
-        ),
-        _header(
-            "X-Event-Ids",
-            "true: events carry id: lines (the chunk sequence) for Last-Event-ID; by "
-            "default a stream is framed exactly as OpenAI frames it, without them.",
-            {"type": "string", "enum": ["true", "false"]},
-        ),
-    ]
-}
-CHAT_EVENTS_EXTRA: dict[str, Any] = {
-    "parameters": [
-        _header(
-            "Last-Event-ID",
-            "Replay the events after this chunk sequence (default: from the start).",
-            {"type": "string", "pattern": "^[0-9]*$"},
-        )
-    ]
-}

@@ -43,7 +43,7 @@ from gateway.chat.call import (
     race_disconnect,
 )
 from gateway.chat.prompts import Prompt, PromptBuilder, prompt_chars
-from gateway.chat.schemas import ChatCompletionRequest
+from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.http.auth import Authenticator
 from gateway.http.errors import (
     BadRequest,
@@ -57,8 +57,8 @@ from gateway.http.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
-from gateway.streaming.resume import Readers, RequestMeta, collect, replay
-from gateway.streaming.sse import ChunkFormatter, completion_body
+from gateway.streaming.resume import Readers, RequestMeta, collect, replay, reply_body
+from gateway.streaming.sse import COMPLETION_ID_PREFIX, ChunkFormatter, ReplyKind
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +98,7 @@ class ChatContext:
     raw_send: Send | None = None
 
 
-def _digest(request: ChatCompletionRequest, job: Job) -> str:
+def _digest(request: SamplingRequest, job: Job) -> str:
     """What makes two requests the same one: the body and the admission class."""
     canonical = request.model_dump_json() + "|" + job.priority_class
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
@@ -136,8 +136,36 @@ class ChatService:
     async def complete(self, request: ChatCompletionRequest, ctx: ChatContext) -> Response:
         """Run one chat completion end to end: an SSE response, or one JSON body."""
         self.check(request)
+        if len(request.messages) > self._settings.max_messages:
+            raise BadRequest(
+                f"at most {self._settings.max_messages} messages are accepted, "
+                f"got {len(request.messages)}",
+                param="messages",
+                code="too_many_messages",
+            )
         turn = await self._persona_turn(request, ctx.tenant)
         prompt = await self._build_prompt(request, turn)
+        return await self._serve(request, prompt, ctx, "chat", turn)
+
+    async def complete_text(self, request: CompletionRequest, ctx: ChatContext) -> Response:
+        """Run one text completion (``/v1/completions``) end to end, through the same
+        admission, queue, relay, resume and tenancy as a chat."""
+        self.check(request)
+        if isinstance(request.prompt, str) and len(request.prompt) > _ON_LOOP_CHARS:
+            prompt = await asyncio.to_thread(self._prompts.build_text, request)
+        else:
+            prompt = self._prompts.build_text(request)
+        return await self._serve(request, prompt, ctx, "text", None)
+
+    async def _serve(
+        self,
+        request: SamplingRequest,
+        prompt: Prompt,
+        ctx: ChatContext,
+        kind: ReplyKind,
+        turn: PersonaTurn | None,
+    ) -> Response:
+        """Charge, admit, enqueue and relay one request's reply, as ``kind`` frames it."""
         rate = await self._charge(
             ctx.tenant, len(prompt.token_ids) + prompt.max_tokens, ctx.admission.priority_class
         )
@@ -159,11 +187,12 @@ class ChatService:
         await self._admit(job, limits.max_running)
         meta = RequestMeta(
             ctx.tenant,
-            f"chatcmpl-{job.id}",
+            f"{COMPLETION_ID_PREFIX[kind]}{job.id}",
             request.model,
             int(time.time()),
             request.include_usage,
             request.continuous_usage,
+            kind,
         )
         call = ChatCall(
             job,
@@ -204,6 +233,7 @@ class ChatService:
                     meta.include_usage,
                     event_ids=ctx.resumable or ctx.event_ids,
                     continuous_usage=meta.continuous_usage,
+                    kind=kind,
                 )
                 on_complete = self._recorder(turn) if turn else None
                 return call.stream(first, fmt, ctx.raw_send, on_complete, rate)
@@ -216,12 +246,12 @@ class ChatService:
             raise
         if turn is not None:
             await self._record(turn, text, final)
-        body = completion_body(meta.completion_id, meta.model, meta.created, text, final)
+        body = reply_body(meta, text, final)
         return JSONResponse(body, headers=rate)
 
     async def _attach(
         self,
-        request: ChatCompletionRequest,
+        request: SamplingRequest,
         ctx: ChatContext,
         enqueued: Enqueued,
         headers: dict[str, str],
@@ -249,10 +279,10 @@ class ChatService:
             readers.release(ctx.tenant)
         if final.error_code is not None:
             raise from_worker(final.error_code, final.error_message)
-        body = completion_body(meta.completion_id, meta.model, meta.created, text, final)
+        body = reply_body(meta, text, final)
         return JSONResponse(body, headers=headers)
 
-    def check(self, request: ChatCompletionRequest) -> None:
+    def check(self, request: SamplingRequest) -> None:
         """Reject what this server cannot do, with the field at fault."""
         if request.model != self._settings.served_model_name:
             raise NotFound(
@@ -264,14 +294,7 @@ class ChatService:
             raise BadRequest(
                 "n is supported only as 1: ask again for another reply (a swipe)", param="n"
             )
-        if len(request.messages) > self._settings.max_messages:
-            raise BadRequest(
-                f"at most {self._settings.max_messages} messages are accepted, "
-                f"got {len(request.messages)}",
-                param="messages",
-                code="too_many_messages",
-            )
-        asked = request.max_completion_tokens or request.max_tokens
+        asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
         bound = self._settings.max_completion_tokens
         if asked is not None and bound is not None and asked > bound:
             raise BadRequest(

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.chat.prompts import PromptBuilder, TemplateOptions
-from gateway.chat.schemas import ChatMessage, ModelCard
+from gateway.chat.responses import ModelCard
+from gateway.chat.schemas import ChatMessage
 from gateway.http.errors import BadRequest, NotFound
 from gateway.http.openapi import error_responses, ok
 from gateway.services import services

@@ -294,6 +294,12 @@ class Inbox:
             except RedisError:
                 continue
             break
+        try:
+            # A Redis that restarted without its data forgot this gateway's presence:
+            # until it is back, workers would drop the jobs only this gateway relays.
+            await self._announce()
+        except RedisError as exc:
+            log.warning("gateway presence not restored", error=str(exc))
         self.subscribed.set()
         log.info("inbox resubscribed", streams=len(self._streams))
         for delay in (0.0, 1.0):

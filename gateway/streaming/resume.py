@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,7 +24,14 @@ from cluster.wire.protocol import Chunk
 from cluster.wire.replylog import REPLY_FIELD
 from cluster.wire.vocabulary import DropReason
 from gateway.http.errors import BadRequest, GatewayTimeout, NotFound, refused
-from gateway.streaming.sse import DONE, ChunkFormatter, error_event
+from gateway.streaming.sse import (
+    DONE,
+    ChunkFormatter,
+    ReplyKind,
+    completion_body,
+    error_event,
+    text_completion_body,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +44,7 @@ class RequestMeta:
     created: int
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk
+    kind: ReplyKind = "chat"  # a chat completion, or a text completion
 
     def encode(self) -> bytes:
         """JSON for Redis."""
@@ -46,6 +54,12 @@ class RequestMeta:
     def decode(cls, raw: bytes) -> RequestMeta:
         """From Redis JSON."""
         return cls(**json.loads(raw))
+
+
+def reply_body(meta: RequestMeta, text: str, final: Chunk) -> dict[str, Any]:
+    """The whole (non-streamed) reply's body, as its kind frames it."""
+    build = text_completion_body if meta.kind == "text" else completion_body
+    return build(meta.completion_id, meta.model, meta.created, text, final)
 
 
 async def load_meta(redis: aioredis.Redis, keys: Keys, request_id: str, tenant: str) -> RequestMeta:
@@ -115,6 +129,7 @@ async def replay(
         role_sent=after_seq > 0,
         event_ids=True,
         continuous_usage=meta.continuous_usage,
+        kind=meta.kind,
     )
     try:
         async for chunk in follow(redis, keys, request_id, after_seq, idle_timeout_s):
@@ -129,15 +144,18 @@ async def collect(
 ) -> tuple[str, Chunk]:
     """A whole reply from its log (waiting for the rest), and its final chunk."""
     parts: list[str] = []
+    logprobs: list[Any] = []
     final: Chunk | None = None
     try:
         async for chunk in follow(redis, keys, request_id, 0, idle_timeout_s):
             parts.append(chunk.text)
+            logprobs.extend(chunk.logprobs)
             final = chunk
     except TimeoutError as exc:
         raise GatewayTimeout("the reply stopped arriving") from exc
     assert final is not None
-    return "".join(parts), final
+    # The whole reply's logprobs ride on its final chunk.
+    return "".join(parts), replace(final, logprobs=logprobs) if logprobs else final
 
 
 class Readers:

@@ -1,4 +1,4 @@
-"""OpenAI chat-completion chunk and response bodies, and SSE framing.
+"""OpenAI chat-completion and text-completion chunk and response bodies, and SSE framing.
 
 Shapes follow OpenAI exactly: the first delta carries the role, ``finish_reason`` appears
 only on the last choice chunk (with an empty delta), ``stream_options.include_usage``
@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from cluster.wire.protocol import Chunk
 from gateway.http.errors import from_worker
 
 DONE = b"data: [DONE]\n\n"
+
+# What a reply is framed as: a chat completion, or a text completion (/v1/completions).
+ReplyKind = Literal["chat", "text"]
+COMPLETION_ID_PREFIX: dict[str, str] = {"chat": "chatcmpl-", "text": "cmpl-"}
+_CHUNK_OBJECT = {"chat": "chat.completion.chunk", "text": "text_completion"}
 
 
 # One encoder for the process: json.dumps with non-default options builds a new encoder
@@ -41,6 +46,36 @@ def usage(chunk: Chunk) -> dict[str, Any]:
     }
 
 
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` from a chunk's entries (see :class:`Chunk`)."""
+    return {
+        "content": [
+            {**_token(text, lp), "top_logprobs": [_token(a, alp) for a, alp in alts]}
+            for text, lp, alts in entries
+        ],
+        "refusal": None,
+    }
+
+
+def text_logprobs(entries: list[Any], offset: int) -> dict[str, Any]:
+    """A text completion choice's ``logprobs`` (the legacy shape), its text starting at
+    character ``offset`` of the completion."""
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for text, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{a: alp for a, alp in alts} for _, _, alts in entries],
+        "text_offset": offsets,
+    }
+
+
 def finish_reason(chunk: Chunk) -> str:
     """OpenAI finish reason of a final chunk (vLLM's ``abort`` is not an OpenAI value)."""
     reason = chunk.finish_reason or "stop"
@@ -54,6 +89,7 @@ class ChunkFormatter:
     A content event (every chunk but the first and the last) is the same JSON each time
     but for the text, so it is built from bytes made once per stream: the hot path is one
     ``json.dumps`` of the text and a join, byte for byte what the general path writes.
+    A text completion's chunks carry ``text`` in the choice (no role, no delta).
     """
 
     completion_id: str
@@ -64,22 +100,40 @@ class ChunkFormatter:
     event_ids: bool = False
     # stream_options.continuous_usage_stats: the usage so far on every chunk.
     continuous_usage: bool = False
+    kind: ReplyKind = "chat"
+    _offset: int = 0  # characters of a text completion so far (its logprobs' offsets)
     _content_head: bytes = b""
     _content_tail: bytes = b""
 
     def __post_init__(self) -> None:
+        if self.kind == "text":
+            self.role_sent = True  # a text completion has no role to send
         marker = "\x00text\x00"
-        choices = [
-            {"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
-        ]
-        head, tail = _dumps(self._body(choices, None)).split(_dumps(marker))
+        head, tail = _dumps(self._body([self._choice(marker, None)], None)).split(_dumps(marker))
         self._content_head = f"data: {head}".encode()
         self._content_tail = f"{tail}\n\n".encode()
+
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        logprobs: list[Any] | None = None,
+    ) -> dict[str, Any]:
+        if self.kind == "text":
+            shaped = text_logprobs(logprobs, self._offset) if logprobs else None
+            self._offset += len(text or "")
+            return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish}
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if role:
+            delta = {"role": "assistant", "content": text}
+        shaped = chat_logprobs(logprobs) if logprobs else None
+        return {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}
 
     def _body(self, choices: list[dict[str, Any]], usage_obj: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.completion_id,
-            "object": "chat.completion.chunk",
+            "object": _CHUNK_OBJECT[self.kind],
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
@@ -107,7 +161,11 @@ class ChunkFormatter:
     def is_content(self, chunk: Chunk) -> bool:
         """True when ``chunk``'s events are just :meth:`content_event`."""
         return (
-            self.role_sent and bool(chunk.text) and not chunk.is_final and not self.continuous_usage
+            self.role_sent
+            and bool(chunk.text)
+            and not chunk.is_final
+            and not self.continuous_usage
+            and not chunk.logprobs
         )
 
     def events(self, chunk: Chunk) -> bytes:
@@ -117,28 +175,13 @@ class ChunkFormatter:
         out = b""
         so_far = usage(chunk) if self.continuous_usage else None
         if chunk.text or not self.role_sent:
-            delta: dict[str, Any] = {"content": chunk.text}
-            if not self.role_sent:
-                delta = {"role": "assistant", "content": chunk.text}
-                self.role_sent = True
-            out += self._event(
-                chunk.seq,
-                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
-                so_far,
+            choice = self._choice(
+                chunk.text, None, role=not self.role_sent, logprobs=chunk.logprobs
             )
+            self.role_sent = True
+            out += self._event(chunk.seq, [choice], so_far)
         if chunk.is_final:
-            out += self._event(
-                chunk.seq,
-                [
-                    {
-                        "index": 0,
-                        "delta": {},
-                        "logprobs": None,
-                        "finish_reason": finish_reason(chunk),
-                    }
-                ],
-                so_far,
-            )
+            out += self._event(chunk.seq, [self._choice(None, finish_reason(chunk))], so_far)
             if self.include_usage:
                 out += self._event(chunk.seq, [], usage(chunk))
         return out
@@ -157,6 +200,28 @@ def error_event(body: dict[str, Any]) -> bytes:
     return f"data: {_dumps(body)}\n\n".encode()
 
 
+def text_completion_body(
+    completion_id: str, model: str, created: int, text: str, final: Chunk
+) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` response (``/v1/completions``)."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": text_logprobs(final.logprobs, 0) if final.logprobs else None,
+                "finish_reason": finish_reason(final),
+            }
+        ],
+        "usage": usage(final),
+    }
+
+
 def completion_body(
     completion_id: str, model: str, created: int, text: str, final: Chunk
 ) -> dict[str, Any]:
@@ -171,7 +236,7 @@ def completion_body(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "logprobs": chat_logprobs(final.logprobs) if final.logprobs else None,
                 "finish_reason": finish_reason(final),
             }
         ],

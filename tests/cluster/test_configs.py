@@ -28,7 +28,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.errors import ConfigError
 from cluster.ops.deploy import prepare_config as prepare_deploy
-from cluster.ops.serve_config import BACKLOG_POLICY, gateway_env, load_serve_config
+from cluster.ops.serve_config import BACKLOG_POLICY, config_path, gateway_env, load_serve_config
 from cluster.runtime.settings import Settings
 from workers.deployment import WorkerArgs, graceful_shutdown_timeout_s
 from workers.scaling.backlog import BacklogConfig
@@ -292,3 +292,30 @@ def test_up_and_deploy_give_workers_the_settings_a_gateway_shares() -> None:
     assert env["CHARSERVE_HEARTBEAT_MS"] == "250" and env["CHARSERVE_REPLY_LOG_TTL_S"] == "99"
     # What the file sets itself stays.
     assert args.queue_policy == "edf" and args.batch_reserve_slots == 16
+
+
+def test_the_default_serve_config_is_found_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    found = config_path("ray-configs/local-cpu.yaml")
+    assert found.is_file() and found.is_absolute()
+    with pytest.raises(ConfigError, match="not found"):
+        config_path("ray-configs/nope.yaml")
+
+
+def test_the_command_line_runs_as_a_module_and_says_its_version() -> None:
+    # charserve up starts its gateways with ``python -m cluster.ops.cli``: the module must
+    # work as __main__, not only through the console script.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.ops.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("charserve ")

@@ -6,6 +6,8 @@ import ast
 import inspect
 from pathlib import Path
 
+from redis.crc import key_slot
+
 from cluster.wire.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +41,7 @@ def _spelled_keys(source: str) -> list[int]:
             if any(_names_namespace(v) for v in values):
                 found.append(node.lineno)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value.startswith(f"{Keys().namespace}:"):
+            if node.value.startswith((f"{Keys().namespace}:", f"{{{Keys().namespace}}}:")):
                 found.append(node.lineno)
     return found
 
@@ -56,6 +58,7 @@ def test_no_key_prefix_is_spelled_outside_keys_py() -> None:
 def test_the_check_finds_a_spelled_key() -> None:
     assert _spelled_keys('k = f"{self._keys.namespace}:session:{t}"\n') == [1]
     assert _spelled_keys('k = "charserve:queue"\n') == [1]
+    assert _spelled_keys('k = "{charserve}:queue"\n') == [1]
     assert _spelled_keys("k = self._keys.session(t, s)\n") == []
 
 
@@ -75,5 +78,16 @@ def _every_key(keys: Keys) -> list[str]:
 def test_every_key_is_under_the_namespace_and_distinct() -> None:
     keys = _every_key(Keys("ns"))
     assert len(keys) > 30
-    assert all(k.startswith("ns:") for k in keys), keys
+    assert all(k.startswith("{ns}:") for k in keys), keys
     assert len(set(keys)) == len(keys), sorted(keys)
+
+
+def test_every_key_of_a_deployment_is_in_one_cluster_slot() -> None:
+    # Redis Cluster refuses a script whose keys span slots (CROSSSLOT): the namespace is
+    # the hash tag, so the slot is the namespace's, and keys a script builds from a
+    # prefix (the tenant queues) share it too.
+    for namespace in ("charserve", "cell-7"):
+        keys = Keys(namespace)
+        slots = {key_slot(k.encode()) for k in _every_key(keys)}
+        slots.add(key_slot(f"{keys.tenant_queue_prefix}interactive:alice".encode()))
+        assert slots == {key_slot(namespace.encode())}

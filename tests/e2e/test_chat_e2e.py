@@ -268,3 +268,37 @@ async def test_seed_is_refused_on_the_cpu_engine_with_the_reason(
             model=MODEL, max_tokens=4, seed=7, messages=[{"role": "user", "content": "x"}]
         )
     assert "seed" in info.value.message and "CPU" in info.value.message
+
+
+async def test_logprobs_on_the_real_engine_are_the_greedy_choice(
+    client: openai.AsyncOpenAI,
+) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        messages=[{"role": "user", "content": "Name a star."}],
+    )
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(t.token for t in content) == choice.message.content
+    for token in content:
+        # Greedy: every token is its step's best alternative, with that alternative's logprob.
+        assert len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+        assert token.logprob <= 0.0
+    stream = await client.completions.create(
+        model=MODEL, prompt="The captain said", max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
+    tokens = [
+        t
+        async for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert len(tokens) == 6

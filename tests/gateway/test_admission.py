@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job, WorkerStats
-from cluster.wire.queue import JobQueue
-from gateway.chat.admission import capped_wait_ms, estimate_ttft_ms
+from cluster.wire.queue import JobQueue, Position
+from gateway.chat.admission import Admitter, capped_wait_ms, estimate_ttft_ms
 from gateway.chat.capacity import Capacity, summarize
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
@@ -92,6 +92,8 @@ async def busy_cluster(
             prefill_ms=100.0,
         ),
     )
+    # Its four running jobs hold leases, as claimed jobs do.
+    await redis.zadd(keys.leases, {f"running{i}": now + 600_000 for i in range(4)})
     queue = JobQueue(redis, keys)
     for i in range(6):
         await queue.enqueue(
@@ -175,3 +177,44 @@ async def test_no_workers_is_a_503(redis_url: str, model_path: str) -> None:
         resp = await http.post("/v1/chat/completions", json=BODY)
     assert resp.status_code == 503
     assert resp.headers["x-charserve-drop-reason"] == "no_workers" and resp.headers["retry-after"]
+
+
+class _View:
+    """A capacity view whose snapshot is a beat old."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.current = capacity
+
+
+class _Queue:
+    def __init__(self, position: Position) -> None:
+        self._position = position
+
+    async def position(self, job: Job) -> Position:
+        return self._position
+
+
+async def test_free_slots_come_from_the_live_leases_not_a_stale_heartbeat(
+    redis_url: str, model_path: str
+) -> None:
+    # The heartbeat (a beat old) says all 32 slots are busy; the leases say 12 are: the
+    # replies of a closed loop finished, and their clients' next requests arrive now.
+    stale = Capacity(workers=1, free_slots=0, slots=32, completed_per_s=6.0, prefill_ms=80.0)
+    job = Job(
+        id="j",
+        reply_to="x",
+        model=MODEL,
+        prompt_token_ids=[1] * 50,
+        max_tokens=64,
+        sampling={},
+        arrival_ms=0,
+        deadline_ms=2_000,
+    )
+    settings = gateway_settings(redis_url, model_path)
+    live = Position(ahead=19, own_ahead=19, tenants=1, claimed=12)
+    admitter = Admitter(settings, _Queue(live), _View(stale))  # type: ignore[arg-type]
+    await admitter.admit(job)  # 19 ahead, 20 free: its own prefill only
+    full = Position(ahead=19, own_ahead=19, tenants=1, claimed=32)
+    refusing = Admitter(settings, _Queue(full), _View(stale))  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="exceeds the latency budget"):
+        await refusing.admit(job)  # 20 to finish at 6/s: 3.4 s

@@ -527,3 +527,27 @@ async def test_two_gateways_share_a_batch_and_run_each_line_once(
     assert len(started) == 20  # no line ran twice
     assert len({job.reply_to for job in started}) == 2  # both gateways did some
     assert engine.max_running_seen <= 6  # the batch's bound holds across gateways
+
+
+async def test_a_batch_of_text_completions(stack: Stack) -> None:
+    def text_line(custom_id: str, **body: Any) -> str:
+        request = {"model": MODEL, "prompt": f"Once, {custom_id}", "max_tokens": 3, **body}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": request}
+        )
+
+    lines = [text_line("a"), text_line("b", suffix="!"), line("chat-in-a-text-batch")]
+    async with stack.client() as client:
+        file = await client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+        batch = await client.batches.create(
+            input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        assert batch.endpoint == "/v1/completions"
+        done = await wait_status(client, batch.id, "completed", "failed")
+        output = await read_jsonl(client, done.output_file_id)
+        errors = await read_jsonl(client, done.error_file_id)
+    assert [o["custom_id"] for o in output] == ["a"]
+    body = output[0]["response"]["body"]
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected(3)
+    # A refused field fails its line; a line for another endpoint fails validation.
+    assert {e["custom_id"] for e in errors} == {"b", "chat-in-a-text-batch"}

@@ -245,7 +245,21 @@ def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
         # No field is ignored: an unknown or a refused one is a 400 that names it.
         ("unknown field", {**ok, "mirostat_mode": 2}, 400, "unsupported_field", "mirostat_mode"),
         ("tools", {**ok, "tools": [{"type": "function"}]}, 400, "unsupported_field", "tools"),
-        ("logprobs", {**ok, "logprobs": True}, 400, "unsupported_field", "logprobs"),
+        (
+            "prompt_logprobs",
+            {**ok, "prompt_logprobs": 1},
+            400,
+            "unsupported_field",
+            "prompt_logprobs",
+        ),
+        ("top_logprobs alone", {**ok, "top_logprobs": 2}, 400, "invalid_value", "top_logprobs"),
+        (
+            "too many top_logprobs",
+            {**ok, "logprobs": True, "top_logprobs": 21},
+            400,
+            "invalid_value",
+            "top_logprobs",
+        ),
         ("store", {**ok, "store": True}, 400, "unsupported_field", "store"),
         (
             "message tool_calls",

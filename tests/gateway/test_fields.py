@@ -115,3 +115,40 @@ async def test_model_route(http: httpx.AsyncClient) -> None:
     card = await http.get(f"/v1/models/{MODEL}")
     assert card.status_code == 200 and card.json()["max_model_len"] == 512
     assert (await http.get("/v1/models/gpt-9")).status_code == 404
+
+
+async def test_logprobs_streamed_and_whole_in_openai_shapes(http: httpx.AsyncClient) -> None:
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = (await http.post("/v1/chat/completions", json=body)).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    # The test engine: each token at -0.5, itself the best of its alternatives.
+    assert [c["token"] for c in content] == [" t0", " t1", " t2"]
+    assert all(c["logprob"] == -0.5 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert [len(c["top_logprobs"]) for c in content] == [2, 2, 2]
+    assert content[0]["top_logprobs"][0] == {
+        "token": " t0",
+        "logprob": -0.5,
+        "bytes": [32, 116, 48],
+    }
+    streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(d) for _, d in sse_events(streamed.text)[:-1]]
+    tokens = [
+        c["token"]
+        for chunk in chunks
+        if chunk["choices"] and chunk["choices"][0]["logprobs"]
+        for c in chunk["choices"][0]["logprobs"]["content"]
+    ]
+    assert tokens == [" t0", " t1", " t2"]
+    text = await http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "logprobs": 1}
+    )
+    legacy = text.json()["choices"][0]["logprobs"]
+    assert legacy["tokens"] == [" t0", " t1", " t2"]
+    assert legacy["token_logprobs"] == [-0.5] * 3 and legacy["text_offset"] == [0, 3, 6]
+    assert legacy["top_logprobs"] == [{" t0": -0.5}, {" t1": -0.5}, {" t2": -0.5}]

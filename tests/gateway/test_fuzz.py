@@ -40,7 +40,7 @@ from cluster.runtime.redis_client import connect
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
 from cluster.wire.tenants import ApiKeys
-from gateway.chat.schemas import ChatCompletionChunk
+from gateway.chat.responses import ChatCompletionChunk
 from gateway.http.auth import needs_key
 from gateway.http.openapi import ErrorBody
 from tests.fakes import FakeEngine

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from cluster.wire.protocol import Job
 from cluster.wire.vocabulary import BATCH_SCORE_OFFSET, PriorityClass
@@ -40,6 +40,9 @@ class EngineOutput:
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int = 0
+    # One ``[text, logprob, [[alternative, logprob], ...]]`` per token, when the job asked
+    # (see :class:`cluster.wire.protocol.Chunk`).
+    logprobs: list[Any] | None = None
 
 
 class Engine(Protocol):

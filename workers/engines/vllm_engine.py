@@ -121,14 +121,19 @@ class VllmEngine:
             raise InvalidJobError(str(exc)) from exc
         except StopAsyncIteration:
             return
+        top = kwargs.get("logprobs")
         async for out in _chain(first, stream):
             completion = out.outputs[0]
+            token_ids = list(completion.token_ids)
             yield EngineOutput(
                 text=completion.text,
-                token_ids=list(completion.token_ids),
+                token_ids=token_ids,
                 finish_reason=completion.finish_reason,
                 prompt_tokens=len(job.prompt_token_ids),
                 cached_tokens=out.num_cached_tokens or 0,
+                logprobs=None
+                if top is None
+                else token_logprobs(token_ids, completion.logprobs, top),
             )
 
     async def abort(self, request_id: str) -> None:
@@ -139,6 +144,26 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+def token_logprobs(token_ids: list[int], steps: Any, top: int) -> list[Any]:
+    """vLLM's sample logprobs (one ``{token id: Logprob}`` per new token) as a chunk carries
+    them: ``[text, logprob, [[alternative, logprob], ...]]``, the ``top`` best first."""
+    out: list[Any] = []
+    for token_id, step in zip(token_ids, steps or [], strict=False):
+        chosen = step.get(token_id)
+        ranked = sorted(
+            (lp for lp in step.values() if lp.rank is not None and lp.rank <= top),
+            key=lambda lp: lp.rank,
+        )
+        out.append(
+            [
+                (chosen.decoded_token or "") if chosen else "",
+                float(chosen.logprob) if chosen else float("-inf"),
+                [[lp.decoded_token or "", float(lp.logprob)] for lp in ranked[:top]],
+            ]
+        )
+    return out
 
 
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -467,7 +467,15 @@ class Consumer:
 
     def _completion_rate(self, rate: float, elapsed_s: float) -> float:
         """Jobs finished per second, smoothed over about COMPLETION_RATE_WINDOW_S: a beat
-        in which none of a few long jobs happened to end does not read as "no drain"."""
+        in which none of a few long jobs happened to end does not read as "no drain".
+        The first rate measured is taken whole (a smoothed rise from zero would read as a
+        drain far slower than the engine's), and an idle worker keeps its last rate: no
+        work finishing is not a slow drain."""
+        if rate <= 0.0 and not self._running:
+            return self._completed_per_s
+        if self._completed_per_s <= 0.0:
+            self._completed_per_s = rate
+            return rate
         weight = 1.0 - math.exp(-elapsed_s / COMPLETION_RATE_WINDOW_S)
         self._completed_per_s += weight * (rate - self._completed_per_s)
         return self._completed_per_s

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -137,6 +138,7 @@ class RequestStream:
     prefill_ms: float = 0.0
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None
@@ -155,6 +157,8 @@ class RequestStream:
         """Accumulate one engine step's output for this request."""
         self.pending_text.append(out.text)
         self.pending_ids.extend(out.token_ids)
+        if out.logprobs:
+            self.pending_logprobs.extend(out.logprobs)
         self.completion_tokens += len(out.token_ids)
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = out.cached_tokens
@@ -185,9 +189,12 @@ class RequestStream:
             self.prefill_ms,
             self.pending_ids,
             sent_ms,
+            self.pending_logprobs,
         )
         self.pending_text.clear()
         self.pending_ids.clear()
+        if self.pending_logprobs:
+            self.pending_logprobs = []
         return data
 
 
