@@ -269,7 +269,7 @@ async def bench_tenants(args: argparse.Namespace, redis_url: str, namespace: str
             tenants.client.close()
         maxmemory = 0
         if redis is not None and not args.no_memory:
-            maxmemory = int((await redis.config_get("maxmemory"))["maxmemory"])
+            maxmemory = int((await redis.config_get("maxmemory")).get("maxmemory") or 0)
     finally:
         if redis is not None:
             if created:

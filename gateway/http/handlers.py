@@ -31,8 +31,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     ctx = first.get("ctx") or {}
     message = first.get("msg", "invalid request")
     if "field" in ctx:  # a refused or unknown field: named by its full path
-        param = ".".join([*loc, str(ctx["field"])])
-        return BadRequest(message, param=param, code="unsupported_field")
+        return BadRequest(
+            message, param=".".join([*loc, str(ctx["field"])]), code="unsupported_field"
+        )
     param = ".".join(loc) or ctx.get("param") or None
     if param:
         message = f"{param}: {message}"
