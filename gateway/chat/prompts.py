@@ -15,6 +15,7 @@ import structlog
 from gateway.chat.schemas import (
     TEXT_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 from gateway.http.errors import BadRequest
@@ -90,6 +91,11 @@ class TemplateOptions:
                     param=f"chat_template_kwargs.{key}",
                 )
         return cls(add_generation_prompt, continue_final_message, dict(kwargs))
+
+
+# Texts up to this many characters are rendered and tokenized on the event loop (about a
+# millisecond); longer ones in a thread, as the loop belongs to every request.
+ON_LOOP_CHARS = 16_384
 
 
 class PromptBuilder:
@@ -175,25 +181,26 @@ class PromptBuilder:
         """How many prompt tokens ``messages`` make."""
         return len(self.encode(messages))
 
+    def check_chars(self, chars: int, param: str) -> None:
+        """400 for a text of more characters than ``max_model_len`` tokens can hold,
+        before any tokenizing (which, for megabytes, would hold a thread a long while)."""
+        if chars > self.max_prompt_chars:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the {param} are {chars} characters, more than that many tokens "
+                f"can hold. Please reduce the length of the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def build(
         self, request: ChatCompletionRequest, messages: list[dict[str, str]] | None = None
     ) -> Prompt:
         """Render ``messages`` (default: the request's) and decide ``max_tokens``; 400 if
         they cannot fit."""
         if messages is None:
-            messages = [
-                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in request.messages
-            ]
-        chars = prompt_chars(messages)
-        if chars > self.max_prompt_chars:
-            raise BadRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your messages hold {chars} characters, more than that many tokens "
-                "can. Please reduce the length of the messages.",
-                param="messages",
-                code="context_length_exceeded",
-            )
+            messages = template_messages(request.messages)
+        self.check_chars(prompt_chars(messages), "messages")
         token_ids = self.encode(messages, TemplateOptions.of(request))
         prompt_len = len(token_ids)
         room = self.max_model_len - prompt_len
@@ -223,14 +230,7 @@ class PromptBuilder:
         """A text completion's prompt: its text tokenized as is (no template), or its token
         ids checked against the vocabulary; 400 if it cannot fit."""
         if isinstance(request.prompt, str):
-            if len(request.prompt) > self.max_prompt_chars:
-                raise BadRequest(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, your prompt holds {len(request.prompt)} characters, more "
-                    "than that many tokens can. Please reduce the length of the prompt.",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
+            self.check_chars(len(request.prompt), "prompt")
             token_ids = self.encode_text(request.prompt, request.add_special_tokens)
         else:
             token_ids = list(request.prompt)
@@ -250,6 +250,14 @@ class PromptBuilder:
                 code="context_length_exceeded",
             )
         return Prompt(token_ids, asked)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """A request's messages as the template takes them (text, and the speaker's name)."""
+    return [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        for m in messages
+    ]
 
 
 def prompt_chars(messages: list[dict[str, str]]) -> int:

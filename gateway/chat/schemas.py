@@ -213,19 +213,20 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     disable_any_whitespace: bool = False
 
+    def _given(self) -> dict[str, Any]:
+        """The constraints set, under vLLM's ``StructuredOutputsParams`` names."""
+        named = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
-        given = [
-            n
-            for n, v in (
-                ("json", self.json_),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-                ("json_object", self.json_object or None),
-            )
-            if v is not None
-        ]
+        given = list(self._given())
         if len(given) != 1:
             raise PydanticCustomError(
                 "invalid_value",
@@ -237,20 +238,24 @@ class StructuredOutputs(BaseModel):
 
     def wire(self) -> dict[str, Any]:
         """The constraint as the job carries it (vLLM's ``StructuredOutputsParams`` names)."""
-        out: dict[str, Any] = {
-            k: v
-            for k, v in (
-                ("json", self.json_),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-                ("json_object", self.json_object or None),
-            )
-            if v is not None
-        }
+        out = self._given()
         if self.disable_any_whitespace:
             out["disable_any_whitespace"] = True
         return out
+
+
+def template_contradiction(
+    add_generation_prompt: bool, continue_final_message: bool, last_role: str
+) -> tuple[str, str] | None:
+    """(param, why) when the template options contradict each other or the messages."""
+    if continue_final_message and add_generation_prompt:
+        return (
+            "continue_final_message",
+            "continue_final_message needs add_generation_prompt: false",
+        )
+    if continue_final_message and last_role != "assistant":
+        return ("continue_final_message", "the last message must be the assistant's")
+    return None
 
 
 class SamplingRequest(BaseModel):
@@ -445,14 +450,9 @@ class ChatCompletionRequest(SamplingRequest):
     def _contradiction(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs: true")
-        if self.continue_final_message and self.add_generation_prompt:
-            return (
-                "continue_final_message",
-                "continue_final_message needs add_generation_prompt: false",
-            )
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            return ("continue_final_message", "the last message must be the assistant's")
-        return None
+        return template_contradiction(
+            self.add_generation_prompt, self.continue_final_message, self.messages[-1].role
+        )
 
 
 # OpenAI's default completion length for text completions (vLLM's too).

@@ -42,7 +42,7 @@ from gateway.chat.call import (
     queue_unavailable,
     race_disconnect,
 )
-from gateway.chat.prompts import Prompt, PromptBuilder, prompt_chars
+from gateway.chat.prompts import ON_LOOP_CHARS, Prompt, PromptBuilder, prompt_chars
 from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.http.auth import Authenticator
 from gateway.http.errors import (
@@ -63,9 +63,6 @@ from gateway.streaming.sse import COMPLETION_ID_PREFIX, ChunkFormatter, ReplyKin
 log = structlog.get_logger(__name__)
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
-# Prompts up to this many characters are rendered and tokenized on the event loop (about
-# a millisecond); longer ones in a thread.
-_ON_LOOP_CHARS = 16_384
 
 
 async def never_disconnects() -> MutableMapping[str, Any]:
@@ -151,7 +148,7 @@ class ChatService:
         """Run one text completion (``/v1/completions``) end to end, through the same
         admission, queue, relay, resume and tenancy as a chat."""
         self.check(request)
-        if isinstance(request.prompt, str) and len(request.prompt) > _ON_LOOP_CHARS:
+        if isinstance(request.prompt, str) and len(request.prompt) > ON_LOOP_CHARS:
             prompt = await asyncio.to_thread(self._prompts.build_text, request)
         else:
             prompt = self._prompts.build_text(request)
@@ -323,7 +320,7 @@ class ChatService:
         every request of this process."""
         messages = turn.messages if turn else None
         chars = prompt_chars(messages) if messages else sum(len(m.text()) for m in request.messages)
-        if chars <= _ON_LOOP_CHARS:
+        if chars <= ON_LOOP_CHARS:
             return self._prompts.build(request, messages)
         return await asyncio.to_thread(self._prompts.build, request, messages)
 

@@ -14,15 +14,18 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.chat.prompts import PromptBuilder, TemplateOptions
+from gateway.chat.prompts import (
+    ON_LOOP_CHARS,
+    PromptBuilder,
+    TemplateOptions,
+    prompt_chars,
+    template_messages,
+)
 from gateway.chat.responses import ModelCard
-from gateway.chat.schemas import ChatMessage
+from gateway.chat.schemas import ChatMessage, template_contradiction
 from gateway.http.errors import BadRequest, NotFound
 from gateway.http.openapi import error_responses, ok
 from gateway.services import services
-
-# Texts longer than this are tokenized on a thread (the chat route's threshold).
-_ON_LOOP_CHARS = 16_384
 
 
 class TokenizeRequest(BaseModel):
@@ -88,46 +91,31 @@ async def tokenize(prompts: PromptBuilder, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        if body.continue_final_message and (
-            body.add_generation_prompt or body.messages[-1].role != "assistant"
-        ):
-            raise BadRequest(
-                "continue_final_message needs add_generation_prompt: false and the "
-                "assistant's message last",
-                param="continue_final_message",
-            )
+        contradiction = template_contradiction(
+            body.add_generation_prompt, body.continue_final_message, body.messages[-1].role
+        )
+        if contradiction is not None:
+            raise BadRequest(contradiction[1], param=contradiction[0])
         if body.add_special_tokens:
             raise BadRequest(
                 "add_special_tokens is for prompts: the chat template places its own",
                 param="add_special_tokens",
             )
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in body.messages
-        ]
-        chars = sum(len(m["content"]) for m in messages)
-        _bounded(prompts, chars)
+        messages = template_messages(body.messages)
+        chars = prompt_chars(messages)
+        prompts.check_chars(chars, "messages")
         options = TemplateOptions.checked(
             body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
         )
-        if chars <= _ON_LOOP_CHARS:
+        if chars <= ON_LOOP_CHARS:
             return prompts.encode(messages, options)
         return await asyncio.to_thread(prompts.encode, messages, options)
     text = body.prompt or ""
-    _bounded(prompts, len(text))
+    prompts.check_chars(len(text), "prompt")
     special = True if body.add_special_tokens is None else body.add_special_tokens
-    if len(text) <= _ON_LOOP_CHARS:
+    if len(text) <= ON_LOOP_CHARS:
         return prompts.encode_text(text, special)
     return await asyncio.to_thread(prompts.encode_text, text, special)
-
-
-def _bounded(prompts: PromptBuilder, chars: int) -> None:
-    if chars > prompts.max_prompt_chars:
-        raise BadRequest(
-            f"at most {prompts.max_prompt_chars} characters are tokenized, got {chars}",
-            param="prompt",
-            code="context_length_exceeded",
-        )
 
 
 def router() -> APIRouter:
@@ -161,7 +149,7 @@ def router() -> APIRouter:
         if any(t >= prompts.vocab_size for t in body.tokens):
             bad = next(t for t in body.tokens if t >= prompts.vocab_size)
             raise BadRequest(f"{bad} is not a token id of this model", param="tokens")
-        if len(body.tokens) <= _ON_LOOP_CHARS // 4:
+        if len(body.tokens) <= ON_LOOP_CHARS // 4:
             return {"prompt": prompts.decode(body.tokens)}
         return {"prompt": await asyncio.to_thread(prompts.decode, body.tokens)}
 

@@ -101,7 +101,8 @@ class ChunkFormatter:
     # stream_options.continuous_usage_stats: the usage so far on every chunk.
     continuous_usage: bool = False
     kind: ReplyKind = "chat"
-    _offset: int = 0  # characters of a text completion so far (its logprobs' offsets)
+    # Characters of a text completion so far: where its next logprobs' text_offset starts.
+    _offset: int = 0
     _content_head: bytes = b""
     _content_tail: bytes = b""
 
@@ -122,7 +123,6 @@ class ChunkFormatter:
     ) -> dict[str, Any]:
         if self.kind == "text":
             shaped = text_logprobs(logprobs, self._offset) if logprobs else None
-            self._offset += len(text or "")
             return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish}
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if role:
@@ -178,6 +178,8 @@ class ChunkFormatter:
             choice = self._choice(
                 chunk.text, None, role=not self.role_sent, logprobs=chunk.logprobs
             )
+            # Offsets matter only with logprobs, whose chunks never take the fast path.
+            self._offset += len(chunk.text)
             self.role_sent = True
             out += self._event(chunk.seq, [choice], so_far)
         if chunk.is_final:

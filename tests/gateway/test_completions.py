@@ -115,3 +115,18 @@ async def test_refusals_name_the_field(
     resp = await http.post("/v1/completions", json={"model": MODEL, **fields})
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+async def test_streamed_logprobs_offsets_count_from_the_completions_start(
+    http: httpx.AsyncClient,
+) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "logprobs": 1, "stream": True}
+    resp = await http.post("/v1/completions", json=body)
+    chunks = [json.loads(d) for _, d in sse_events(resp.text)[:-1]]
+    offsets = [
+        o
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert offsets == [0, 3, 6]  # " t0", " t1", " t2"

@@ -193,8 +193,7 @@ class RequestStream:
         )
         self.pending_text.clear()
         self.pending_ids.clear()
-        if self.pending_logprobs:
-            self.pending_logprobs = []
+        self.pending_logprobs.clear()
         return data
 
 
