@@ -85,7 +85,7 @@ def _check_model(request: Request, model: str | None) -> None:
         )
 
 
-async def tokenize(prompts: PromptBuilder, body: TokenizeRequest) -> list[int]:
+async def tokenize(prompts: PromptBuilder, body: TokenizeRequest, max_messages: int) -> list[int]:
     """The token ids ``body`` asks for: its messages as the chat route renders them (the
     count admission charges), or its prompt."""
     if (body.prompt is None) == (body.messages is None):
@@ -100,6 +100,12 @@ async def tokenize(prompts: PromptBuilder, body: TokenizeRequest) -> list[int]:
             raise BadRequest(
                 "add_special_tokens is for prompts: the chat template places its own",
                 param="add_special_tokens",
+            )
+        if len(body.messages) > max_messages:
+            raise BadRequest(
+                f"at most {max_messages} messages are accepted, got {len(body.messages)}",
+                param="messages",
+                code="too_many_messages",
             )
         messages = template_messages(body.messages)
         chars = prompt_chars(messages)
@@ -129,7 +135,7 @@ def router() -> APIRouter:
         """Token ids of a prompt or of chat messages (vLLM's route)."""
         _check_model(request, body.model)
         prompts = services(request).prompts
-        tokens = await tokenize(prompts, body)
+        tokens = await tokenize(prompts, body, services(request).settings.max_messages)
         strs = prompts.token_strs(tokens) if body.return_token_strs else None
         return {
             "count": len(tokens),

@@ -152,3 +152,11 @@ async def test_logprobs_streamed_and_whole_in_openai_shapes(http: httpx.AsyncCli
     assert legacy["tokens"] == [" t0", " t1", " t2"]
     assert legacy["token_logprobs"] == [-0.5] * 3 and legacy["text_offset"] == [0, 3, 6]
     assert legacy["top_logprobs"] == [{" t0": -0.5}, {" t1": -0.5}, {" t2": -0.5}]
+
+
+async def test_tokenize_is_bounded_as_a_chat_is(http: httpx.AsyncClient, gateway: Gateway) -> None:
+    many = [{"role": "user", "content": "x"}] * (gateway.settings.max_messages + 1)
+    resp = await http.post("/tokenize", json={"messages": many})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    huge = await http.post("/tokenize", json={"prompt": "x" * 10_000_000})
+    assert huge.status_code in (400, 413)
