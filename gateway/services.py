@@ -108,6 +108,7 @@ class Services:
             settings.max_model_len,
             settings.default_system_prompt,
             settings.session_affinity,
+            settings.prompt_layout,
         )
         # Readers of reply logs block on their own connections, never the chat path's.
         readers = Readers(

@@ -12,6 +12,16 @@ A card plus a conversation becomes OpenAI-style messages:
 3. the post-history instructions (the card's, or the default; ``{{original}}`` expands to
    the default) as a final system message, when there are any.
 
+That is the frontend layout (``layout="frontend"``). The default, ``layout="stable"``,
+keeps the prompt's long head byte-identical from turn to turn, so the engine's prefix cache
+serves it: only ``constant`` lorebook entries stay in the persona (they never change); the
+entries a key triggered, which change as the conversation moves, go into the final system
+message after the history, before the post-history instructions. A turn then recomputes
+only the latest exchange and that final message, where the frontend layout recomputes
+everything after the persona's first triggered entry whenever the triggered set changes.
+The model reads the triggered entries nearer the end (as SillyTavern's "@ depth 0"
+placement puts them), which is the one difference a card author may notice.
+
 Macros (``{{char}}``, ``{{user}}``, legacy ``<BOT>``/``<CHAR>``/``<USER>``, any case) are
 expanded in every card-derived text, never in the history. ``{{char}}`` is V3's nickname
 when the card has one.
@@ -42,6 +52,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import regex
 
@@ -54,6 +65,7 @@ LORE_REGEX_BUDGET_S = 0.05
 """History messages scanned for lorebook keys when the book sets no ``scan_depth``."""
 
 Message = dict[str, str]
+Layout = Literal["stable", "frontend"]
 CountTokens = Callable[[list[Message]], int]
 """Tokens of a rendered conversation (the caller applies the model's chat template)."""
 
@@ -107,8 +119,10 @@ def assemble(
     count_tokens: CountTokens,
     max_prompt_tokens: int,
     default_post_history_instructions: str = "",
+    layout: Layout = "stable",
 ) -> Assembled:
-    """Build the messages for ``card`` and ``history`` within ``max_prompt_tokens``."""
+    """Build the messages for ``card`` and ``history`` within ``max_prompt_tokens``, in
+    ``layout`` (see the module's docstring)."""
 
     def macros(text: str) -> str:
         return expand_macros(text, char=card.display_name, user=user_name).strip()
@@ -116,19 +130,22 @@ def assemble(
     system = _override(card.system_prompt, default_system_prompt)
     scan = _Scan(LORE_REGEX_BUDGET_S)
     lore = _triggered_lore(card.character_book, history, count_tokens, scan)
+    fixed = lore if layout == "frontend" else tuple(e for e in lore if e.constant)
+    late = [macros(_strip_decorators(e.content)) for e in lore if e not in fixed]
     persona = [
         macros(system),
-        *(macros(_strip_decorators(e.content)) for e in lore if e.position == "before_char"),
+        *(macros(_strip_decorators(e.content)) for e in fixed if e.position == "before_char"),
         macros(card.description),
         macros(_labelled("{{char}}'s personality: ", card.personality)),
         macros(_labelled("Scenario: ", card.scenario)),
-        *(macros(_strip_decorators(e.content)) for e in lore if e.position == "after_char"),
+        *(macros(_strip_decorators(e.content)) for e in fixed if e.position == "after_char"),
         _examples(macros(card.mes_example)),
     ]
     persona_text = "\n\n".join(part for part in persona if part)
     head = [{"role": "system", "content": persona_text}] if persona_text else []
     post = macros(_override(card.post_history_instructions, default_post_history_instructions))
-    tail = [{"role": "system", "content": post}] if post else []
+    end = "\n\n".join(part for part in [*late, post] if part)
+    tail = [{"role": "system", "content": end}] if end else []
     turns = [dict(m) for m in history]
 
     def build(cut: int) -> list[Message]:

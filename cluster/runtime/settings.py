@@ -132,6 +132,12 @@ class Settings(BaseSettings):
     default_system_prompt: str = Field(
         default="", description="System prompt for characters whose card has none."
     )
+    prompt_layout: Literal["stable", "frontend"] = Field(
+        default="stable",
+        description="Where lorebook entries a key triggered go: stable = after the history, "
+        "so the persona and history stay cached from turn to turn; frontend = inside the "
+        "persona, as SillyTavern places them (cluster/characters/persona.py).",
+    )
 
     # Limits (checked before anything is queued).
     max_body_bytes: int = Field(

@@ -2,6 +2,20 @@
 session holds the history) or ``character_id`` (the persona wrapped around the client's own
 messages) becomes a persona prompt (:mod:`cluster.characters.persona` assembles it), a
 preferred replica (session affinity), and, when the reply completes, the turns to record.
+
+A session request's ``session_action`` says what it does with the conversation:
+
+- ``reply``: one new user message, answered; both are appended.
+- ``swipe``: another reply in place of the last one. Its prompt is the last reply's own,
+  token for token, so the prefix cache serves all of it; the new reply is shown and the
+  former ones are kept as alternatives.
+- ``continue``: the last reply extended where it stopped (the template continues the final
+  assistant message instead of opening a new one); the text is appended to it.
+- ``impersonate``: the user's next line, written as the user; nothing is recorded (the
+  client sends it as a reply if the user keeps it).
+- ``warm``: the conversation so far prefilled on the replica its next turn will prefer,
+  so that turn finds it in the prefix cache (the user opened the chat, or is typing);
+  nothing is generated beyond one discarded token, nothing recorded.
 """
 
 from __future__ import annotations
@@ -9,12 +23,24 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from cluster.characters.persona import PromptTooLong, assemble
+import structlog
+
+from cluster.characters.persona import Layout, PromptTooLong, assemble, expand_macros
 from gateway.characters.store import CharacterStore, Session
-from gateway.chat.schemas import ChatCompletionRequest
-from gateway.http.errors import BadRequest
+from gateway.chat.prompts import TemplateOptions
+from gateway.chat.schemas import ChatCompletionRequest, SessionAction
+from gateway.http.errors import BadRequest, Conflict
+
+log = structlog.get_logger(__name__)
+
+IMPERSONATE_PROMPT = (
+    "[Write your next reply from the point of view of {{user}}, using the chat history so "
+    "far as a guideline for the writing style of {{user}}. Don't write as {{char}} or "
+    "system. Don't describe actions of {{char}}.]"
+)
+"""The instruction an impersonation ends with (SillyTavern's default wording)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +55,17 @@ class PersonaTurn:
     user_text: str
     prefer: str | None
     dropped: int
+    action: SessionAction = "reply"
+    expected_len: int = 0
+    template: TemplateOptions | None = None
+
+
+# How an action's prompt ends: continue the last reply; warm ends after the conversation
+# (its next turn's prompt goes on from there). The others open a new assistant turn.
+_TEMPLATES = {
+    "continue": TemplateOptions(add_generation_prompt=False, continue_final_message=True),
+    "warm": TemplateOptions(add_generation_prompt=False),
+}
 
 
 class PersonaChat:
@@ -41,12 +78,14 @@ class PersonaChat:
         max_model_len: int,
         default_system_prompt: str = "",
         affinity: bool = True,
+        layout: Layout = "stable",
     ) -> None:
         self._store = store
         self._count = count_tokens
         self._max_model_len = max_model_len
         self._default_system = default_system_prompt
         self._affinity = affinity
+        self._layout: Layout = layout
 
     async def resolve(
         self,
@@ -60,17 +99,15 @@ class PersonaChat:
         if session_id is None and character_id is None:
             return None
         session: Session | None = None
+        action = request.session_action
         if isinstance(session_id, str):
-            last = request.messages[-1] if request.messages else None
-            if len(request.messages) != 1 or last is None or last.role != "user":
-                raise BadRequest(
-                    "a session turn is exactly one user message; the session holds the history",
-                    param="messages",
-                )
             session = await self._store.session(tenant, session_id)
             character = await self._store.character(tenant, session.character_id)
-            history = [*session.messages, {"role": "user", "content": last.text()}]
             user_name = session.user_name
+            instruction = expand_macros(
+                IMPERSONATE_PROMPT, char=character.card.display_name, user=user_name
+            )
+            history = self._history(request, session, instruction)
         else:
             character = await self._store.character(tenant, str(character_id))
             history = [{"role": m.role, "content": m.text()} for m in request.messages]
@@ -87,8 +124,15 @@ class PersonaChat:
                     default_system_prompt=self._default_system,
                     count_tokens=self._count,
                     max_prompt_tokens=self._max_model_len - max_tokens,
+                    layout=self._layout,
                 )
             )
+            messages = assembled.messages
+            if action == "continue":
+                # The reply being continued must end the prompt (after any post-history
+                # instructions) for the template to continue it.
+                reply = next(m for m in reversed(messages) if m["role"] == "assistant")
+                messages = [m for m in messages if m is not reply] + [reply]
         except PromptTooLong as exc:
             raise BadRequest(
                 f"This model's maximum context length is {self._max_model_len} tokens; the "
@@ -105,20 +149,78 @@ class PersonaChat:
             # Only a live worker with room: an overloaded or vanished one is not waited for.
             prefer = next((w for w in candidates if free_by_worker.get(w, 0) > 0), None)
         return PersonaTurn(
-            messages=assembled.messages,
+            messages=messages,
             tenant=tenant,
             character_id=character.id,
             session_id=session.id if session else None,
-            user_text=history[-1]["content"],
+            user_text=history[-1]["content"] if action == "reply" else "",
             prefer=prefer,
             dropped=assembled.dropped,
+            action=action,
+            expected_len=len(session.messages) if session else 0,
+            template=self._template(request),
         )
 
+    @staticmethod
+    def _template(request: ChatCompletionRequest) -> TemplateOptions | None:
+        """The template options of the request's action (None: the request's own)."""
+        ends = _TEMPLATES.get(request.session_action)
+        if ends is None:
+            return None
+        return replace(ends, kwargs=TemplateOptions.of(request).kwargs)
+
+    @staticmethod
+    def _history(
+        request: ChatCompletionRequest, session: Session, impersonation: str
+    ) -> list[dict[str, str]]:
+        """The conversation the prompt is built from, for the request's action."""
+        action, stored = request.session_action, session.history()
+        if action == "reply":
+            last = request.messages[-1]
+            if len(request.messages) != 1 or last.role != "user":
+                raise BadRequest(
+                    "a session turn is exactly one user message; the session holds the history",
+                    param="messages",
+                )
+            return [*stored, {"role": "user", "content": last.text()}]
+        if action == "impersonate":
+            return [*stored, {"role": "system", "content": impersonation}]
+        if action == "warm":
+            return stored
+        if not stored or stored[-1]["role"] != "assistant":
+            raise Conflict(
+                f"a {action} needs the session to end with the character's reply",
+                param="session_action",
+                code="no_reply_to_" + action,
+            )
+        if action == "swipe":
+            if len(stored) < 2 or stored[-2]["role"] != "user":
+                raise Conflict(
+                    "a swipe needs a reply to a user message (a greeting is chosen when the "
+                    "session opens: greeting_index, random_greeting)",
+                    param="session_action",
+                    code="no_reply_to_swipe",
+                )
+            # The prompt the last reply answered, byte for byte.
+            return stored[:-1]
+        return stored
+
     async def completed(self, turn: PersonaTurn, reply: str, worker_id: str) -> None:
-        """Record a completed reply: both turns into the session, and where it ran."""
-        if turn.session_id is not None:
+        """Record a completed reply (as its action says) and where it ran."""
+        if turn.session_id is not None and turn.action == "reply":
             await self._store.append_turn(
                 turn.tenant, turn.session_id, turn.user_text, reply, worker_id
             )
+        elif turn.session_id is not None and turn.action in ("swipe", "continue"):
+            mode = "swipe" if turn.action == "swipe" else "extend"
+            recorded = await self._store.replace_last(
+                turn.tenant, turn.session_id, turn.expected_len, reply, worker_id, mode
+            )
+            if not recorded:
+                log.warning(
+                    "the conversation changed while the reply ran; not recorded",
+                    session_id=turn.session_id,
+                    action=turn.action,
+                )
         if worker_id:
             await self._store.note_character_worker(turn.tenant, turn.character_id, worker_id)

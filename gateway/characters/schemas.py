@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gateway.http.openapi import error_responses, ok
 
@@ -34,10 +34,12 @@ class CharacterList(BaseModel):
 
 
 class SessionMessage(BaseModel):
-    """One turn of a session."""
+    """One turn of a session; a swiped reply also lists its alternatives."""
 
     role: Literal["user", "assistant"]
     content: str
+    swipes: list[str] | None = None
+    swipe_id: int | None = None
 
 
 class SessionBody(BaseModel):
@@ -55,6 +57,15 @@ class SessionCreated(SessionBody):
     """A new session, with the greeting it opened with."""
 
     greeting: str
+
+
+class SessionWarm(BaseModel):
+    """``POST /v1/sessions/{id}/warm``: the conversation is in the engine's cache."""
+
+    id: str
+    object: Literal["session.warm"]
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Of them, those the cache held already.")
 
 
 class Deleted(BaseModel):
@@ -78,6 +89,22 @@ SESSION_RESPONSES = {
     **error_responses(404),
 }
 SESSION_DELETE_RESPONSES = {**ok(Deleted, "Deleted."), **error_responses(404)}
+SESSION_MESSAGE_RESPONSES = {
+    **ok(SessionMessage, "The message as now stored."),
+    **error_responses(400, 404),
+}
+SESSION_MESSAGE_DELETE_RESPONSES = {
+    **ok(SessionBody, "The session after the deletion."),
+    **error_responses(400, 404),
+}
+SESSION_WARM_RESPONSES = {
+    **ok(SessionWarm, "Prefilled."),
+    **error_responses(400, 404, 429, 503, 504),
+}
+SESSION_BRANCH_RESPONSES = {
+    **ok(SessionBody, "The new session, holding the first messages of the other."),
+    **error_responses(400, 404, 429),
+}
 
 CHARACTER_CREATE_EXTRA: dict[str, Any] = {
     "requestBody": {

@@ -6,6 +6,11 @@
   exchange are appended atomically, only when the reply completes. The session remembers
   the worker that served its last turn, so the next turn can go back to the replica whose
   prefix cache holds the conversation.
+- A message is ``{"role", "content"}``; a reply that was swiped also keeps its
+  alternatives (``swipes``, at most :data:`MAX_SWIPES`) and which one is shown
+  (``swipe_id``, which ``content`` equals). Every change (a swipe, a continued reply, an
+  edit, a deletion, a branch) is one Lua script, so it is atomic, and one that finds the
+  conversation changed since its reply was asked for records nothing (409 for an edit).
 
 Every key is per tenant (see :class:`cluster.wire.keys.Keys`), so one tenant never sees
 another's.
@@ -22,11 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from cluster.characters.cards import Card, parse_card_json
 from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
-from gateway.http.errors import NotFound, QuotaExceeded
+from gateway.http.errors import BadRequest, NotFound, QuotaExceeded
+
+MAX_SWIPES = 32
+"""Alternatives kept per reply; a swipe past them forgets the oldest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +89,11 @@ class Session:
     user_name: str
     created: int
     last_worker: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+
+    def history(self) -> list[dict[str, str]]:
+        """The conversation as the prompt takes it: each message's role and shown text."""
+        return [{"role": m["role"], "content": m["content"]} for m in self.messages]
 
     def body(self) -> dict[str, Any]:
         """The API form."""
@@ -139,6 +152,90 @@ return 1
 """
 
 
+# Messages change only if the conversation is still the one the change was asked on:
+# ARGV[1] (its length then) equals LLEN; errors come back as {'err'} replies.
+# KEYS: session, turns, index. ARGV: expected length, text, worker, unix time, ttl ms,
+# session id, now ms, max swipes, mode ('swipe': the text is a new alternative to the last
+# reply; 'extend': the text continues it).
+_REPLACE_LAST = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = redis.call('LLEN', KEYS[2])
+if n ~= tonumber(ARGV[1]) or n == 0 then return 0 end
+local m = cjson.decode(redis.call('LINDEX', KEYS[2], -1))
+if m.role ~= 'assistant' then return 0 end
+if ARGV[9] == 'swipe' then
+  if m.swipes == nil then m.swipes = {m.content} end
+  table.insert(m.swipes, ARGV[2])
+  while #m.swipes > tonumber(ARGV[8]) do table.remove(m.swipes, 1) end
+  m.content = ARGV[2]
+  m.swipe_id = #m.swipes - 1
+else
+  m.content = m.content .. ARGV[2]
+  if m.swipes ~= nil then m.swipes[m.swipe_id + 1] = m.content end
+end
+redis.call('LSET', KEYS[2], -1, cjson.encode(m))
+redis.call('HSET', KEYS[1], 'last_worker', ARGV[3], 'updated', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
+return 1
+"""
+
+# Edit message ARGV[1] (0-based): its text (ARGV[2] 'content') or which alternative it
+# shows (ARGV[2] 'swipe_id'); or delete it (ARGV[2] 'delete', ARGV[3] a fresh tombstone).
+# KEYS: session, turns. Returns the message as stored, '' once deleted, or an error.
+_EDIT = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('session') end
+local i = tonumber(ARGV[1])
+if i >= redis.call('LLEN', KEYS[2]) then return redis.error_reply('index') end
+if ARGV[2] == 'delete' then
+  redis.call('LSET', KEYS[2], i, ARGV[3])
+  redis.call('LREM', KEYS[2], 1, ARGV[3])
+  return ''
+end
+local m = cjson.decode(redis.call('LINDEX', KEYS[2], i))
+if ARGV[2] == 'content' then
+  m.content = ARGV[3]
+  if m.swipes ~= nil then m.swipes[m.swipe_id + 1] = m.content end
+else
+  local k = tonumber(ARGV[3])
+  if m.swipes == nil or k >= #m.swipes then return redis.error_reply('swipe') end
+  m.swipe_id = k
+  m.content = m.swipes[k + 1]
+end
+local stored = cjson.encode(m)
+redis.call('LSET', KEYS[2], i, stored)
+return stored
+"""
+
+# A new session holding the first ARGV[1] messages of another (same character, user
+# name, and last worker, whose prefix cache holds them), unless the tenant has ARGV[2]
+# live sessions. KEYS: source session, source turns, new session, new turns, index.
+# ARGV: messages kept, cap, ttl ms, new id, now ms, unix time.
+_BRANCH = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local at = tonumber(ARGV[1])
+if at > redis.call('LLEN', KEYS[2]) then return -2 end
+local now, ttl = tonumber(ARGV[5]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - ttl)
+local cap = tonumber(ARGV[2])
+if cap > 0 and redis.call('ZCARD', KEYS[5]) >= cap then return 0 end
+local src = redis.call('HMGET', KEYS[1], 'character_id', 'user_name', 'last_worker')
+redis.call('HSET', KEYS[3], 'character_id', src[1], 'user_name', src[2],
+           'created', ARGV[6], 'last_worker', src[3] or '')
+redis.call('PEXPIRE', KEYS[3], ttl)
+local i = 0
+while i < at do
+  local part = redis.call('LRANGE', KEYS[2], i, math.min(i + 99, at - 1))
+  redis.call('RPUSH', KEYS[4], unpack(part))
+  i = i + 100
+end
+if at > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
+redis.call('ZADD', KEYS[5], now, ARGV[4])
+return 1
+"""
+
+
 class CharacterStore:
     """Characters and sessions of every tenant."""
 
@@ -156,6 +253,9 @@ class CharacterStore:
         self._append = redis.register_script(_APPEND)
         self._add_character = redis.register_script(_ADD_CHARACTER)
         self._add_session = redis.register_script(_ADD_SESSION)
+        self._replace_last = redis.register_script(_REPLACE_LAST)
+        self._edit = redis.register_script(_EDIT)
+        self._branch = redis.register_script(_BRANCH)
 
     async def create_character(self, tenant: str, card: Card, max_characters: int = 0) -> Character:
         """Store ``card`` as a new character (:class:`QuotaExceeded` past
@@ -252,11 +352,7 @@ class CharacterStore:
             pipe.lrange(self._keys.session_turns(tenant, session_id), 0, -1)
             fields, turns = await pipe.execute()
         if not fields:
-            raise NotFound(
-                f"No session with id {session_id!r}.",
-                param="session_id",
-                code="session_not_found",
-            )
+            raise _no_session(session_id)
         text = {k.decode(): v.decode() for k, v in fields.items()}
         return Session(
             session_id,
@@ -310,3 +406,98 @@ class CharacterStore:
             ],
         )
         return bool(done)
+
+    async def replace_last(
+        self,
+        tenant: str,
+        session_id: str,
+        expected_len: int,
+        text: str,
+        worker_id: str,
+        mode: str,
+    ) -> bool:
+        """Record a swipe (``mode`` 'swipe': ``text`` becomes the last reply, its former
+        text kept as an alternative) or a continued reply ('extend': ``text`` is appended
+        to it); False if the conversation changed since it had ``expected_len`` messages."""
+        done = await self._replace_last(
+            keys=[
+                self._keys.session(tenant, session_id),
+                self._keys.session_turns(tenant, session_id),
+                self._keys.sessions(tenant),
+            ],
+            args=[
+                expected_len,
+                text,
+                worker_id,
+                int(time.time()),
+                self._session_ttl_ms,
+                session_id,
+                now_ms(),
+                MAX_SWIPES,
+                mode,
+            ],
+        )
+        return bool(done)
+
+    async def edit_message(
+        self, tenant: str, session_id: str, index: int, what: str, value: str | int
+    ) -> dict[str, Any] | None:
+        """Change message ``index``: its text (``what`` 'content'), the alternative it
+        shows ('swipe_id'), or delete it ('delete', then None). 404 for no such session or
+        message, 400 for no such alternative."""
+        value = secrets.token_hex(16) if what == "delete" else value
+        try:
+            stored = await self._edit(
+                keys=[
+                    self._keys.session(tenant, session_id),
+                    self._keys.session_turns(tenant, session_id),
+                ],
+                args=[index, what, value],
+            )
+        except ResponseError as exc:
+            reason = str(exc)
+            if reason == "swipe":
+                raise BadRequest(
+                    f"message {index} has no alternative {value}", param="swipe_id"
+                ) from exc
+            if reason == "index":
+                raise NotFound(
+                    f"session {session_id!r} has no message {index}",
+                    param="index",
+                    code="message_not_found",
+                ) from exc
+            if reason == "session":
+                raise _no_session(session_id) from exc
+            raise
+        if what == "delete":
+            return None
+        return dict(json.loads(stored))
+
+    async def branch(self, tenant: str, session_id: str, at: int, max_sessions: int = 0) -> Session:
+        """A new session with the first ``at`` messages of ``session_id`` (a copy: the
+        two then go their own ways). 404, 400 past its length, quota past
+        ``max_sessions``."""
+        new_id = f"sess_{secrets.token_hex(8)}"
+        done = await self._branch(
+            keys=[
+                self._keys.session(tenant, session_id),
+                self._keys.session_turns(tenant, session_id),
+                self._keys.session(tenant, new_id),
+                self._keys.session_turns(tenant, new_id),
+                self._keys.sessions(tenant),
+            ],
+            args=[at, max_sessions, self._session_ttl_ms, new_id, now_ms(), int(time.time())],
+        )
+        if done == -1:
+            raise _no_session(session_id)
+        if done == -2:
+            raise BadRequest(f"session {session_id!r} has fewer than {at} messages", param="at")
+        if not done:
+            raise QuotaExceeded(f"this tenant has {max_sessions} sessions, its limit")
+        return await self.session(tenant, new_id)
+
+
+def _no_session(session_id: str) -> NotFound:
+    return NotFound(
+        f"No session with id {session_id!r}.", param="session_id", code="session_not_found"
+    )

@@ -194,14 +194,17 @@ class PromptBuilder:
             )
 
     def build(
-        self, request: ChatCompletionRequest, messages: list[dict[str, str]] | None = None
+        self,
+        request: ChatCompletionRequest,
+        messages: list[dict[str, str]] | None = None,
+        options: TemplateOptions | None = None,
     ) -> Prompt:
-        """Render ``messages`` (default: the request's) and decide ``max_tokens``; 400 if
-        they cannot fit."""
+        """Render ``messages`` (default: the request's) with ``options`` (default: the
+        request's) and decide ``max_tokens``; 400 if they cannot fit."""
         if messages is None:
             messages = template_messages(request.messages)
         self.check_chars(prompt_chars(messages), "messages")
-        token_ids = self.encode(messages, TemplateOptions.of(request))
+        token_ids = self.encode(messages, options or TemplateOptions.of(request))
         prompt_len = len(token_ids)
         room = self.max_model_len - prompt_len
         if room < 1:

@@ -28,7 +28,7 @@ from gateway.streaming.socket_writer import RAW_SEND
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _context(request: Request) -> ChatContext:
+def chat_context(request: Request) -> ChatContext:
     """A completion request's admission and its connection's options (headers)."""
     s = services(request)
     admission = classify(
@@ -61,7 +61,7 @@ def router() -> APIRouter:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI Chat Completions, streaming (SSE) or not."""
-        return await services(request).chat.complete(body, _context(request))
+        return await services(request).chat.complete(body, chat_context(request))
 
     @api.post(
         "/v1/completions",
@@ -71,7 +71,7 @@ def router() -> APIRouter:
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI (legacy) Completions: a prompt continued as is, streaming or not."""
-        return await services(request).chat.complete_text(body, _context(request))
+        return await services(request).chat.complete_text(body, chat_context(request))
 
     @api.get(
         "/v1/chat/completions/{completion_id}/events",

@@ -407,6 +407,9 @@ class SamplingRequest(BaseModel):
         return bool(self.stream and options and options.continuous_usage_stats)
 
 
+SessionAction = Literal["reply", "swipe", "continue", "impersonate", "warm"]
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions`` body."""
 
@@ -428,7 +431,11 @@ class ChatCompletionRequest(SamplingRequest):
         },
     )
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(
+        default_factory=list,
+        description="At least one, except for a session action other than reply, which "
+        "takes none (the session holds the conversation).",
+    )
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -443,6 +450,13 @@ class ChatCompletionRequest(SamplingRequest):
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     character_id: str | None = Field(default=None, min_length=1, max_length=128)
     user_name: str | None = Field(default=None, min_length=1, max_length=128)
+    session_action: SessionAction = Field(
+        default="reply",
+        description="With session_id: reply (one new user message), swipe (another reply "
+        "in place of the last one), continue (extend the last reply) or impersonate (write "
+        "the user's next line; nothing is recorded) or warm (prefill the conversation into "
+        "the engine's cache; one token, discarded). docs/api.md#sessions.",
+    )
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -450,6 +464,14 @@ class ChatCompletionRequest(SamplingRequest):
     def _contradiction(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.session_action != "reply":
+            if self.session_id is None:
+                return ("session_action", f"{self.session_action} needs a session_id")
+            if self.messages:
+                return ("messages", f"a {self.session_action} takes no messages")
+            return None
+        if not self.messages:
+            return ("messages", "at least one message is required")
         return template_contradiction(
             self.add_generation_prompt, self.continue_final_message, self.messages[-1].role
         )

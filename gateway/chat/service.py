@@ -319,10 +319,11 @@ class ChatService:
         """Render and tokenize the prompt; a long one off the event loop, which belongs to
         every request of this process."""
         messages = turn.messages if turn else None
+        options = turn.template if turn else None
         chars = prompt_chars(messages) if messages else sum(len(m.text()) for m in request.messages)
         if chars <= ON_LOOP_CHARS:
-            return self._prompts.build(request, messages)
-        return await asyncio.to_thread(self._prompts.build, request, messages)
+            return self._prompts.build(request, messages, options)
+        return await asyncio.to_thread(self._prompts.build, request, messages, options)
 
     async def _limits(self, tenant: str) -> Limits:
         if self._auth is None:

@@ -82,3 +82,64 @@ async def test_five_turn_session_uses_its_history(stack: Stack) -> None:
     assert len(stored) == 11  # the greeting plus five exchanges
     assert [m["content"] for m in stored[2::2]] == replies
     assert all(reply.strip() for reply in replies)
+
+
+# vLLM caches whole blocks of prompt tokens: at most this many of a prompt (its last,
+# partial block) are computed again when the rest is cached (128 on the CPU, 16 on GPUs).
+MAX_BLOCK_TOKENS = 128
+
+
+async def test_swipe_continue_impersonate_and_branch_on_the_engine(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        character = (await http.post("/v1/characters", json=CARD)).json()
+        sid = (await http.post("/v1/sessions", json={"character_id": character["id"]})).json()["id"]
+        greedy = {"max_tokens": 8, "temperature": 0}
+        first = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "session_id": sid,
+                "messages": [{"role": "user", "content": "Where is Biscuit?"}],
+                **greedy,
+            },
+        )
+        assert first.status_code == 200, first.text
+        swipe = await http.post(f"/v1/sessions/{sid}/swipe", json={"max_tokens": 8})
+        assert swipe.status_code == 200, swipe.text
+        # The swipe asks exactly the first reply's prompt, and the engine's cache has it.
+        asked, again = first.json()["usage"], swipe.json()["usage"]
+        assert again["prompt_tokens"] == asked["prompt_tokens"]
+        cached = again["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= asked["prompt_tokens"] - MAX_BLOCK_TOKENS, (cached, asked)
+        messages = (await http.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert len(messages[-1]["swipes"]) == 2
+        shown = messages[-1]["content"]
+        more = await http.post(f"/v1/sessions/{sid}/continue", json=greedy)
+        assert more.status_code == 200, more.text
+        continued = (await http.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert len(continued) == len(messages)
+        assert continued[-1]["content"] == shown + more.json()["choices"][0]["message"]["content"]
+        line = await http.post(f"/v1/sessions/{sid}/impersonate", json=greedy)
+        assert line.status_code == 200, line.text
+        assert (await http.get(f"/v1/sessions/{sid}")).json()["messages"] == continued
+        branch = await http.post(f"/v1/sessions/{sid}/branch", json={"at": 3})
+        bid = branch.json()["id"]
+        turn = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "session_id": bid,
+                "messages": [{"role": "user", "content": "Never mind the cat."}],
+                **greedy,
+            },
+        )
+        assert turn.status_code == 200, turn.text
+        # The branch shares the conversation up to its fork, which the cache holds (all
+        # of the first prompt but its post-history instruction, about a dozen tokens).
+        usage = turn.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= asked["prompt_tokens"] - (
+            MAX_BLOCK_TOKENS + 32
+        )
+        stored = (await http.get(f"/v1/sessions/{bid}")).json()["messages"]
+        assert stored[:3] == continued[:3] and len(stored) == 5
+        assert (await http.get(f"/v1/sessions/{sid}")).json()["messages"] == continued

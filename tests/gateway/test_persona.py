@@ -39,6 +39,8 @@ def run(
         default_system_prompt=kw.pop("default_system_prompt", DEFAULT),
         count_tokens=kw.pop("count_tokens", words),
         max_prompt_tokens=max_tokens,
+        # The lorebook tests read triggered entries in the persona, where this layout puts them.
+        layout=kw.pop("layout", "frontend"),
         **kw,
     )
 
@@ -297,3 +299,36 @@ def test_long_histories_are_counted_a_logarithmic_number_of_times() -> None:
     # The largest cut that fits: one more pair would not.
     assert words(result.messages) + 4 > 101
     assert calls <= 16
+
+
+def test_stable_layout_keeps_the_head_identical_as_triggered_entries_change() -> None:
+    c = card(
+        description="{{char}} captains the Wayfarer.",
+        post_history_instructions="Stay in character.",
+        character_book={
+            "entries": [
+                {"keys": [], "content": "Always.", "constant": True},
+                {"keys": ["dragon"], "content": "Dragons fly."},
+                {"keys": ["storm"], "content": "Storms rage."},
+            ],
+            "extensions": {},
+            "scan_depth": 1,
+        },
+    )
+    turns = chat("a dragon!", "yes", "a storm!", "no", "calm now")
+    prompts = [run(c, turns[: n + 1], layout="stable").messages for n in (0, 2, 4)]
+    # The persona (with the constant entry) never changes; each later prompt begins with
+    # all of the previous one's history, so the engine's cache holds it.
+    assert prompts[0][0] == prompts[1][0] == prompts[2][0]
+    assert "Always." in prompts[0][0]["content"]
+    assert all("Dragons" not in p[0]["content"] for p in prompts)
+    for earlier, later in zip(prompts, prompts[1:], strict=False):
+        assert later[: len(earlier) - 1] == earlier[:-1]
+    ends = [p[-1]["content"] for p in prompts]
+    assert ends == [
+        "Dragons fly.\n\nStay in character.",
+        "Storms rage.\n\nStay in character.",
+        "Stay in character.",
+    ]
+    frontend = run(c, turns[:3], layout="frontend").messages
+    assert "Storms rage." in frontend[0]["content"]
