@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -322,7 +323,7 @@ def test_stable_layout_keeps_the_head_identical_as_triggered_entries_change() ->
     assert prompts[0][0] == prompts[1][0] == prompts[2][0]
     assert "Always." in prompts[0][0]["content"]
     assert all("Dragons" not in p[0]["content"] for p in prompts)
-    for earlier, later in zip(prompts, prompts[1:], strict=False):
+    for earlier, later in itertools.pairwise(prompts):
         assert later[: len(earlier) - 1] == earlier[:-1]
     ends = [p[-1]["content"] for p in prompts]
     assert ends == [
