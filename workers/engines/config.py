@@ -4,20 +4,222 @@ The CPU and GPU paths are one code path: ``device`` and a few sizes differ, noth
 The same :class:`EngineConfig` renders vLLM's ``AsyncEngineArgs`` (for the workers) and the
 ``vllm.entrypoints.openai.api_server`` command line (for side-by-side benchmarks), so a
 comparison always runs both on identical engine settings.
+
+Settings charserve depends on are typed fields. Every other vLLM ``EngineArgs`` keyword
+(quantization, the KV cache dtype, speculative decoding, LoRA, ``trust_remote_code``, ...)
+passes through ``engine_args``, checked against the installed vLLM's own ``EngineArgs``
+when the config is built, so a typo fails the deploy instead of a replica's start.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import copy
+import dataclasses
+import difflib
+import json
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # How EngineConfig.batch_prefill_tokens reaches the scheduler in vLLM's engine core process.
 BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
 
+# Typed EngineConfig fields that are vLLM EngineArgs keywords of the same name.
+_TYPED_ENGINE_ARGS = (
+    "model",
+    "served_model_name",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "dtype",
+    "tensor_parallel_size",
+    "distributed_executor_backend",
+    "gpu_memory_utilization",
+    "seed",
+)
+# EngineArgs keywords engine_args may not set, and why: one way to set a thing, and what
+# charserve relies on (the priority its deadlines ride on, its scheduler hook, the sizes
+# the gateway checks prompts against) is not overridden behind its back.
+OWNED_ENGINE_ARGS: dict[str, str] = {
+    **{name: f"it is a typed field: set engine.{name}" for name in _TYPED_ENGINE_ARGS},
+    "scheduling_policy": "charserve always runs vLLM's 'priority' policy (requests "
+    "carry their deadline as their priority)",
+    "scheduler_cls": "charserve sets it: engine.latency_first_steps chooses the scheduler",
+}
+
+# vLLM 0.32 declares these EngineArgs flags ``store_true``: there is no ``--no-`` form, and
+# false is their default, so false renders as no flag at all.
+_STORE_TRUE_FLAGS = frozenset(
+    {"disable_log_stats", "aggregate_engine_logging", "data_parallel_multi_port_external_lb"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _VllmArgs:
+    """What the engine_args check reads from the installed vLLM."""
+
+    version: str
+    annotations: dict[str, Any]  # EngineArgs field -> its annotation
+    nested: dict[str, tuple[str, frozenset[str]]]  # dict-valued field -> (class, its fields)
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types an annotation admits, through ``Annotated``, ``Union`` and ``X | Y``."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [member for arg in get_args(annotation) for member in _members(arg)]
+    return [annotation]
+
+
+def _init_fields(cls: Any) -> frozenset[str]:
+    """The constructor's keyword arguments of a (pydantic or standard) dataclass."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def _vllm_args() -> _VllmArgs | None:
+    """vLLM's ``EngineArgs`` as the check needs it, or None when vLLM cannot be imported."""
+    try:
+        # Imported here, not at the top: the gateway-only install has no vLLM, and the
+        # import takes seconds that only a config with engine_args needs to spend.
+        import vllm
+        from vllm.config import SpeculativeConfig
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return None
+    annotations = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+    nested: dict[str, tuple[str, frozenset[str]]] = {}
+    for name, annotation in annotations.items():
+        classes = [
+            m for m in _members(annotation) if isinstance(m, type) and dataclasses.is_dataclass(m)
+        ]
+        if len(classes) == 1:  # e.g. compilation_config: EngineArgs builds it from a dict
+            nested[name] = (classes[0].__name__, _init_fields(classes[0]))
+    # Annotated as a plain dict in EngineArgs; vLLM builds a SpeculativeConfig from it.
+    nested["speculative_config"] = (SpeculativeConfig.__name__, _init_fields(SpeculativeConfig))
+    return _VllmArgs(str(vllm.__version__), annotations, nested)
+
+
+def _did_you_mean(name: str, known: frozenset[str] | dict[str, Any]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known names, or nothing."""
+    close = difflib.get_close_matches(name, list(known), n=3)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _json_problem(value: Any, where: str) -> str | None:
+    """Why ``value`` is not a JSON value (what a Serve config and vLLM's CLI carry)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if (problem := _json_problem(item, f"{where}[{i}]")) is not None:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where}: key {key!r} is not a string"
+            if (problem := _json_problem(item, f"{where}.{key}")) is not None:
+                return problem
+        return None
+    # YAML turns an unquoted 2024-01-01 into a date, for one.
+    return f"{where}: a {type(value).__name__} is not a JSON value (quote it)"
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _type_problem(value: Any, annotation: Any) -> str | None:
+    """Why ``value`` cannot be what a simple annotation (bool, int, float, str or a
+    Literal, or one of them or None) asks for; None when it can or the annotation is not
+    that simple (vLLM checks the rest when the engine starts)."""
+    if isinstance(annotation, str):  # a forward reference vLLM leaves unresolved
+        return None
+    members = _members(annotation)
+    optional = type(None) in members
+    kinds = [m for m in members if m is not type(None)]
+    if len(kinds) != 1:
+        return None
+    kind = kinds[0]
+    if value is None:
+        return None if optional else "may not be null"
+    if get_origin(kind) is Literal:
+        choices = get_args(kind)
+        # type() as well as ==: true == 1, but true is no LoRA rank.
+        if any(value == c and type(value) is type(c) for c in choices):
+            return None
+        return f"is {value!r}, not one of {', '.join(repr(c) for c in choices)}"
+    if kind is bool:
+        fits = isinstance(value, bool)
+    elif kind is int:
+        fits = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        fits = isinstance(value, int | float) and not isinstance(value, bool)
+    elif kind is str:
+        fits = isinstance(value, str)
+    else:
+        return None
+    return None if fits else f"is {value!r}, not {_KIND_NAMES[kind]}"
+
+
+def _engine_arg_problem(key: str, value: Any, vllm: _VllmArgs | None) -> str | None:
+    """What is wrong with one engine_args entry, or None."""
+    if key in OWNED_ENGINE_ARGS:
+        return f"{key!r} cannot be set in engine_args: {OWNED_ENGINE_ARGS[key]}"
+    if key.startswith("_"):
+        return f"{key!r} is internal to vLLM"
+    if (problem := _json_problem(value, key)) is not None:
+        return problem
+    if vllm is None:
+        return None
+    if key not in vllm.annotations:
+        return f"{key!r} is not an argument of vLLM {vllm.version}'s EngineArgs" + (
+            _did_you_mean(key, vllm.annotations)
+        )
+    if (problem := _type_problem(value, vllm.annotations[key])) is not None:
+        return f"{key} {problem}"
+    if key in vllm.nested and isinstance(value, dict):
+        cls_name, fields = vllm.nested[key]
+        # vLLM's own parsing accepts kebab-case keys inside these dicts too.
+        unknown = [k for k in value if k.replace("-", "_") not in fields]
+        if unknown:
+            return "; ".join(
+                f"{key}: {k!r} is not a field of vLLM's {cls_name}{_did_you_mean(k, fields)}"
+                for k in unknown
+            )
+    return None
+
+
+def _cli_value(value: Any) -> str:
+    """One command-line value: dicts as JSON (vLLM reads ``--speculative-config`` with
+    ``json.loads`` and its config classes from JSON), the rest as text."""
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def _cli_flags(name: str, value: Any) -> list[str]:
+    """One engine_args entry as vLLM's argparse takes it."""
+    flag = "--" + name.replace("_", "-")
+    if value is None or value == []:
+        return []  # neither has a command-line form: vLLM's default
+    if isinstance(value, bool):
+        if value:
+            return [flag]
+        return [] if name in _STORE_TRUE_FLAGS else [f"--no-{flag[2:]}"]
+    if isinstance(value, list):
+        return [flag, *(_cli_value(item) for item in value)]  # nargs="+"
+    return [flag, _cli_value(value)]
+
 
 class EngineConfig(BaseModel):
-    """vLLM engine settings for one replica."""
+    """vLLM engine settings for one replica.
+
+    The typed fields are the settings charserve relies on or chooses for vLLM;
+    ``engine_args`` carries any other vLLM ``EngineArgs`` keyword as it is.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -61,6 +263,37 @@ class EngineConfig(BaseModel):
         "hold besides its decodes, which bounds the step an arriving interactive request "
         "waits behind (0: up to max_num_batched_tokens).",
     )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other vLLM EngineArgs keyword, passed to vLLM as given "
+        "(quantization, kv_cache_dtype, speculative_config, enable_lora, "
+        "trust_remote_code, ...). Checked against the installed vLLM when the config is "
+        "built; not where vLLM is not installed (the gateway-only install). Not the "
+        "keywords the typed fields set.",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _check_engine_args(cls, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """Refuse what vLLM would refuse at the engine's start, so a typo fails the deploy.
+
+        Every key must be a field of vLLM's ``EngineArgs`` (the close ones are named when
+        it is not), not one a typed field sets, with a JSON value; simple annotations
+        (bool, int, float, str, a Literal) are checked, and so are the keys of dicts vLLM
+        builds a config class from (``speculative_config``, ``compilation_config``, ...).
+        vLLM is imported here, only when there is something to check; where it cannot be
+        imported (the gateway-only install has no vLLM) only the checks that need no vLLM
+        run, and the replica, which has vLLM, checks the rest when it builds this config.
+        """
+        vllm = _vllm_args() if engine_args else None
+        problems = [
+            problem
+            for key, value in engine_args.items()
+            if (problem := _engine_arg_problem(key, value, vllm)) is not None
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return engine_args
 
     def executor_backend(self) -> str | None:
         """vLLM's ``distributed_executor_backend``, or None to let vLLM choose."""
@@ -78,9 +311,13 @@ class EngineConfig(BaseModel):
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``.
 
         ``charserve_scheduler`` adds the latency-first scheduler (if enabled): the workers
-        ask for it; references that stand for bare vLLM do not.
+        ask for it; references that stand for bare vLLM do not. ``engine_args`` come
+        first (the validator keeps them apart from the typed fields), as a deep copy:
+        vLLM writes into the dicts it is given (the target model into
+        ``speculative_config``).
         """
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, Any] = copy.deepcopy(self.engine_args)
+        kwargs |= {
             "model": model_path,
             "served_model_name": [self.served_model_name],
             "max_model_len": self.max_model_len,
@@ -122,7 +359,13 @@ class EngineConfig(BaseModel):
         return env
 
     def server_args(self, model_path: str, host: str, port: int) -> list[str]:
-        """Command-line flags for vLLM's own OpenAI server with the same settings."""
+        """Command-line flags for vLLM's own OpenAI server with the same settings.
+
+        ``engine_args`` follow as vLLM's argparse reads them: ``--kebab-case value``,
+        booleans as ``--flag`` / ``--no-flag``, lists as one argument per item, dicts as
+        JSON (``--speculative-config '{"method": "ngram", ...}'``); a null or an empty
+        list has no command-line form and leaves vLLM's default.
+        """
         args = [
             "--model",
             model_path,
@@ -156,4 +399,6 @@ class EngineConfig(BaseModel):
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.distributed_executor_backend != "auto":
             args += ["--distributed-executor-backend", self.distributed_executor_backend]
+        for name, value in self.engine_args.items():
+            args += _cli_flags(name, value)
         return args
