@@ -32,7 +32,7 @@ from gateway.chat.capacity import CapacityView
 from gateway.chat.prompts import PromptBuilder
 from gateway.chat.service import ChatService
 from gateway.http.auth import Authenticator, check_auth_mode
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, ProcessGroupMetrics
 from gateway.streaming.relay import Inbox
 from gateway.streaming.resume import Readers
 from gateway.streaming.socket_writer import check_uvicorn
@@ -58,6 +58,8 @@ class Services:
     batch_runner: BatchRunner
     readers: Readers
     prompts: PromptBuilder
+    # The page's share with sibling processes on one port (None with one process).
+    metrics_group: ProcessGroupMetrics | None = None
 
     @property
     def clock(self) -> RedisClock:
@@ -98,6 +100,9 @@ class Services:
             active_streams=lambda: inbox.active,
             queued=lambda: capacity.current.waiting,
             workers=lambda: capacity.current.workers,
+        )
+        metrics_group = await ProcessGroupMetrics.start_for(
+            settings.gateway_workers, settings.port, metrics, redis, keys, gateway_id
         )
         characters = CharacterStore(
             redis, keys, settings.session_ttl_s, settings.max_session_messages
@@ -145,11 +150,14 @@ class Services:
             batch_runner,
             readers,
             prompts,
+            metrics_group,
         )
 
     async def close(self) -> None:
         """Stop every background task, newest first, then close Redis."""
         await self.batch_runner.close()
+        if self.metrics_group is not None:
+            await self.metrics_group.close()
         await self.capacity.close()
         await self.inbox.close()
         await self.readers.redis.aclose()

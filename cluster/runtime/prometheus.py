@@ -18,6 +18,15 @@ everywhere: they double the series count and no dashboard uses them.
 With several gateways, each one's page repeats the worker series (with its own
 ``instance`` label): queries over ``charserve_worker_*`` and ``vllm:*`` deduplicate with
 ``max by (replica, ...)`` before summing, as ``deploy/grafana/charserve.json`` does.
+
+Several processes behind one port (a gateway run with ``CHARSERVE_GATEWAY_WORKERS>1``)
+form a *process group*: each one stores its own text in one Redis hash of the group
+(:func:`publish_process_metrics`), any of them reads the hash back
+(:func:`read_process_metrics`) and adds the texts up (:func:`sum_families`) into the
+page, so a scrape sees the whole gateway whichever process answers it. The texts of
+processes that are gone are folded into one ``retired`` field
+(:func:`retire_processes`); :mod:`gateway.metrics` decides what is summed, kept per
+process or retained.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -49,7 +58,13 @@ log = structlog.get_logger(__name__)
 # Prometheus servers do not know; the bytes are the same).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REPLICA_LABEL = "replica"
+PROCESS_LABEL = "process"
 VLLM_PREFIX = "vllm:"
+# Types whose every sample only grows while its process runs: the last values of a process
+# that is gone stay in a sum (folded into RETIRED), so the sum never goes down.
+MONOTONIC_TYPES = frozenset({"counter", "histogram", "summary"})
+# The field of a process group's hash holding the sums of the processes that are gone.
+RETIRED = "retired"
 
 OTHER = "other"
 
@@ -207,43 +222,117 @@ def _parse(text: str) -> list[Metric]:
     return list(without_created(families.values()))
 
 
+def parse_text(text: str) -> list[Metric]:
+    """The families of one exposition text, repaired as the merge needs them (the
+    parser's split counters folded back, ``_created`` dropped). Raises on garbled text."""
+    return _parse(text)
+
+
 def merge_families(
     own: Iterable[Metric], remote: dict[str, str], label: str = REPLICA_LABEL
 ) -> list[Metric]:
     """``own`` families merged with every remote text's, each remote sample labelled
     ``label=<its key in remote>``. A remote family whose type differs from the one
     already seen under its name (mixed versions) is skipped, and logged."""
+    parsed: dict[str, list[Metric]] = {}
+    for replica, text in sorted(remote.items()):
+        try:
+            parsed[replica] = _parse(text)
+        except Exception as exc:  # one garbled text must not break the whole page
+            log.warning("unparsable worker metrics", replica=replica, error=str(exc))
+    return label_families(own, parsed, label)
+
+
+def label_families(
+    own: Iterable[Metric], remote: Mapping[str, Iterable[Metric]], label: str
+) -> list[Metric]:
+    """``own`` families merged with ``remote`` ones, each remote sample labelled
+    ``label=<its key in remote>`` (one family per name, in the order first seen). A
+    remote family whose type differs from the one already seen under its name is
+    skipped, and logged."""
     merged: dict[str, Metric] = {}
     for family in own:
         merged[family.name] = _copy(family, list(family.samples))
-    for replica, text in sorted(remote.items()):
-        try:
-            families = _parse(text)
-        except Exception as exc:  # one garbled text must not break the whole page
-            log.warning("unparsable worker metrics", replica=replica, error=str(exc))
-            continue
+    for value, families in remote.items():
         for family in families:
             target = merged.setdefault(family.name, _copy(family, []))
             if target.type != family.type:
                 log.warning(
                     "metric type conflict",
-                    replica=replica,
+                    replica=value,
                     metric=family.name,
                     type=family.type,
                     expected=target.type,
                 )
                 continue
             target.samples.extend(
-                s._replace(labels={**s.labels, label: replica}) for s in family.samples
+                s._replace(labels={**s.labels, label: value}) for s in family.samples
             )
     return list(merged.values())
+
+
+def sum_families(sources: Iterable[Iterable[Metric]]) -> list[Metric]:
+    """The families of several processes added up: samples of the same name and labels
+    summed (counters, histogram buckets, sums and counts, gauges alike), one family per
+    name, in the order first seen. A family whose type differs from the one first seen
+    under its name (mixed versions) is skipped, and logged."""
+    merged: dict[str, Metric] = {}
+    series: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], Any]] = {}
+    for families in sources:
+        for family in families:
+            target = merged.get(family.name)
+            if target is None:
+                target = merged[family.name] = _copy(family, [])
+                series[family.name] = {}
+            elif target.type != family.type:
+                log.warning(
+                    "metric type conflict",
+                    metric=family.name,
+                    type=family.type,
+                    expected=target.type,
+                )
+                continue
+            found = series[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                prior = found.get(key)
+                if prior is None:
+                    # A sum has no one timestamp or exemplar.
+                    found[key] = sample._replace(timestamp=None, exemplar=None)
+                else:
+                    found[key] = prior._replace(value=prior.value + sample.value)
+    for name, family in merged.items():
+        family.samples = list(series[name].values())
+    return list(merged.values())
+
+
+def fold_texts(texts: Iterable[str], keep: Callable[[Metric], bool]) -> str:
+    """One exposition text of the families ``keep`` accepts in ``texts``, added up (what
+    :data:`RETIRED` holds). Garbled texts are skipped, and logged."""
+    sources = []
+    for text in texts:
+        try:
+            sources.append([f for f in _parse(text) if keep(f)])
+        except Exception as exc:
+            log.warning("unparsable process metrics", error=str(exc))
+    return render_text(sum_families(sources))
+
+
+def render_text(families: Iterable[Metric]) -> str:
+    """``families`` as exposition text."""
+    return generate_latest(Families(families)).decode()
+
+
+def render_families(own: Iterable[Metric], worker_texts: dict[str, str]) -> bytes:
+    """One valid exposition of ``own`` families plus every worker's text (keyed by worker
+    id, which becomes the ``replica`` label)."""
+    return generate_latest(Families(merge_families(own, worker_texts)))
 
 
 def render_all(gateway_registry: CollectorRegistry, worker_texts: dict[str, str]) -> bytes:
     """One valid exposition of the gateway's registry plus every worker's text (keyed by
     worker id, which becomes the ``replica`` label)."""
-    own = without_created(gateway_registry.collect())
-    return generate_latest(Families(merge_families(own, worker_texts)))
+    return render_families(without_created(gateway_registry.collect()), worker_texts)
 
 
 # -- transport through Redis ----------------------------------------------------------
@@ -296,3 +385,61 @@ async def read_worker_metrics(
         for i, t in zip(ids, texts, strict=True)
         if t is not None
     }
+
+
+# -- process groups: several processes behind one port --------------------------------
+
+# Folds the texts of processes that are gone into RETIRED, if nobody did meanwhile: the
+# RETIRED the caller summed from is still there, and so is every text it folded in. Two
+# processes folding at once cannot both count the same text.
+_RETIRE = """
+local current = redis.call('HGET', KEYS[1], ARGV[1]) or ''
+if current ~= ARGV[2] then return 0 end
+for i = 4, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HDEL', KEYS[1], unpack(ARGV, 4))
+return 1
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def publish_process_metrics(
+    redis: aioredis.Redis, key: str, member: str, text: str, ttl_s: float
+) -> None:
+    """Store one process's exposition text in its group's hash, which expires ``ttl_s``
+    after the group's last publication."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, member, text.encode())
+        pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+        await pipe.execute()
+
+
+async def read_process_metrics(redis: aioredis.Redis, key: str) -> dict[str, str]:
+    """Every text of a process group, by member (and :data:`RETIRED`), in one HGETALL."""
+    raw = await redis.hgetall(key)
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+async def process_members(redis: aioredis.Redis, key: str) -> list[str]:
+    """The members of a process group with a text (and :data:`RETIRED`, if any)."""
+    return [_text(k) for k in await redis.hkeys(key)]
+
+
+async def retire_processes(
+    redis: aioredis.Redis, key: str, expected: str, folded: str, members: Iterable[str]
+) -> bool:
+    """Replace ``members``' texts by ``folded``, the sum of the :data:`RETIRED` text read
+    as ``expected`` ('' for none) and theirs; False (and nothing changed) if another
+    process folded meanwhile."""
+    names = list(members)
+    if not names:
+        return False
+    done = await redis.register_script(_RETIRE)(
+        keys=[key], args=[RETIRED, expected.encode(), folded.encode(), *names]
+    )
+    return bool(done)

@@ -154,6 +154,12 @@ class Keys:
         """:meth:`gateway_alive` without the gateway id (for the claim script)."""
         return self._key("gateway", "")
 
+    def gateway_metrics(self, group: str) -> str:
+        """Hash: process -> Prometheus text of each gateway process serving one port
+        (``host:port:supervisor pid``), plus the sums of those gone; expires unless
+        refreshed."""
+        return self._key("gateway-metrics", group)
+
     # -- replies (cluster.wire.replylog) ---------------------------------------------
 
     def inbox(self, gateway_id: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
+import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
@@ -14,6 +15,8 @@ from redis.exceptions import RedisError
 from cluster.runtime.prometheus import CONTENT_TYPE, read_worker_metrics, render_all
 from gateway.http.openapi import ok
 from gateway.services import services
+
+log = structlog.get_logger(__name__)
 
 
 class Health(BaseModel):
@@ -69,14 +72,24 @@ def router() -> APIRouter:
 
     @api.get("/metrics", include_in_schema=False)
     async def metrics_page(request: Request) -> Response:
-        """Prometheus metrics: this gateway's, plus every live worker's (and its vLLM
-        engine's) as the workers last exported them, labelled by ``replica``."""
+        """Prometheus metrics: this gateway's (every process of it, when it runs several
+        on this port), plus every live worker's (and its vLLM engine's) as the workers last
+        exported them, labelled by ``replica``."""
         s = services(request)
         try:
             texts = await read_worker_metrics(s.redis, s.keys)
         except RedisError:
             texts = {}
-        body = await asyncio.to_thread(render_all, s.metrics.registry, texts)
+        if s.metrics_group is None:
+            body = await asyncio.to_thread(render_all, s.metrics.registry, texts)
+            return Response(body, media_type=CONTENT_TYPE)
+        try:
+            body = await s.metrics_group.page(texts)
+        except RedisError as exc:
+            # This process's counts alone would read as counters going down (a false
+            # reset to rate()); a failed scrape reads as what it is.
+            log.warning("gateway metrics unavailable", error=str(exc))
+            return Response("metrics unavailable: Redis\n", status_code=503)
         return Response(body, media_type=CONTENT_TYPE)
 
     return api
