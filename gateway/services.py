@@ -25,6 +25,7 @@ from cluster.wire.queue import JobQueue
 from cluster.wire.tenants import ApiKeys, RateLimiter
 from gateway.batches.runner import BatchRunner
 from gateway.batches.store import BatchStore
+from gateway.characters.memory import SessionMemory
 from gateway.characters.persona_chat import PersonaChat
 from gateway.characters.store import CharacterStore
 from gateway.chat.admission import Admitter
@@ -60,6 +61,8 @@ class Services:
     prompts: PromptBuilder
     # The page's share with sibling processes on one port (None with one process).
     metrics_group: ProcessGroupMetrics | None = None
+    # Session summaries in flight (see gateway/characters/memory.py).
+    memory: SessionMemory | None = None
 
     @property
     def clock(self) -> RedisClock:
@@ -125,6 +128,8 @@ class Services:
         chat = ChatService(
             settings, queue, inbox, prompts, admitter, auth, metrics, persona, readers=readers
         )
+        memory = SessionMemory(characters, chat, prompts, settings, capacity.clock)
+        persona.memory = memory
         batch_store = BatchStore(redis, keys, settings.file_ttl_s)
         batch_runner = BatchRunner(batch_store, chat, queue, settings, capacity.clock)
         await batch_runner.start()
@@ -151,11 +156,14 @@ class Services:
             readers,
             prompts,
             metrics_group,
+            memory,
         )
 
     async def close(self) -> None:
         """Stop every background task, newest first, then close Redis."""
         await self.batch_runner.close()
+        if self.memory is not None:
+            await self.memory.close()
         if self.metrics_group is not None:
             await self.metrics_group.close()
         await self.capacity.close()

@@ -8,8 +8,10 @@ A card plus a conversation becomes OpenAI-style messages:
    description, ``{{char}}'s personality: ...``, ``Scenario: ...``, entries placed
    ``after_char``, and the example dialogue (each ``<START>`` block as ``[Example Chat]``
    followed by its lines);
-2. the history, verbatim;
-3. the post-history instructions (the card's, or the default; ``{{original}}`` expands to
+2. the session's memory (a summary of the turns no longer sent), when there is one, as a
+   system message;
+3. the history, verbatim;
+4. the post-history instructions (the card's, or the default; ``{{original}}`` expands to
    the default) as a final system message, when there are any.
 
 That is the frontend layout (``layout="frontend"``). The default, ``layout="stable"``,
@@ -120,6 +122,7 @@ def assemble(
     max_prompt_tokens: int,
     default_post_history_instructions: str = "",
     layout: Layout = "stable",
+    memory: str = "",
 ) -> Assembled:
     """Build the messages for ``card`` and ``history`` within ``max_prompt_tokens``, in
     ``layout`` (see the module's docstring)."""
@@ -143,6 +146,8 @@ def assemble(
     ]
     persona_text = "\n\n".join(part for part in persona if part)
     head = [{"role": "system", "content": persona_text}] if persona_text else []
+    if memory:
+        head.append({"role": "system", "content": memory})
     post = macros(_override(card.post_history_instructions, default_post_history_instructions))
     end = "\n\n".join(part for part in [*late, post] if part)
     tail = [{"role": "system", "content": end}] if end else []

@@ -132,6 +132,23 @@ class Settings(BaseSettings):
     default_system_prompt: str = Field(
         default="", description="System prompt for characters whose card has none."
     )
+    memory_share: float = Field(
+        default=0.75,
+        ge=0,
+        le=1,
+        description="Summarise a session's oldest turns (a batch-class job) once its prompt "
+        "passes this share of the context window; 0: never (older turns are only cut).",
+    )
+    memory_keep_messages: int = Field(
+        default=8, ge=2, description="Latest messages a summary never takes in."
+    )
+    memory_max_tokens: int = Field(default=256, ge=16, description="Longest summary.")
+    memory_prompt: str = Field(
+        default="Summarize the story so far between {{char}} and {{user}} in one paragraph, "
+        "keeping names, facts, promises, decisions and open threads. If a previous summary "
+        "is given, extend it with the new events.",
+        description="The instruction a summary job is given ({{char}}, {{user}} expand).",
+    )
     prompt_layout: Literal["stable", "frontend"] = Field(
         default="stable",
         description="Where lorebook entries a key triggered go: stable = after the history, "

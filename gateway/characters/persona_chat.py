@@ -24,6 +24,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import structlog
 
@@ -42,6 +43,16 @@ IMPERSONATE_PROMPT = (
 )
 """The instruction an impersonation ends with (SillyTavern's default wording)."""
 
+MEMORY_LABEL = "Summary of the story so far:\n"
+"""What the session's memory is introduced with, after the persona."""
+
+
+class LongSessions(Protocol):
+    """Told of every recorded session turn (see :mod:`gateway.characters.memory`)."""
+
+    def consider(self, turn: PersonaTurn) -> None:
+        """Summarise the session's oldest turns if ``turn``'s prompt was long."""
+
 
 @dataclass(frozen=True, slots=True)
 class PersonaTurn:
@@ -58,6 +69,7 @@ class PersonaTurn:
     action: SessionAction = "reply"
     expected_len: int = 0
     template: TemplateOptions | None = None
+    prompt_tokens: int = 0
 
 
 # How an action's prompt ends: continue the last reply; warm ends after the conversation
@@ -86,6 +98,7 @@ class PersonaChat:
         self._default_system = default_system_prompt
         self._affinity = affinity
         self._layout: Layout = layout
+        self.memory: LongSessions | None = None
 
     async def resolve(
         self,
@@ -112,6 +125,7 @@ class PersonaChat:
             character = await self._store.character(tenant, str(character_id))
             history = [{"role": m.role, "content": m.text()} for m in request.messages]
             user_name = request.user_name or request.user or "User"
+        memory = f"{MEMORY_LABEL}{session.summary}" if session and session.summary else ""
         try:
             # Off the event loop: lorebook scans and the token counts of the history cut
             # can take milliseconds (regex keys up to their time bound).
@@ -125,6 +139,7 @@ class PersonaChat:
                     count_tokens=self._count,
                     max_prompt_tokens=self._max_model_len - max_tokens,
                     layout=self._layout,
+                    memory=memory,
                 )
             )
             messages = assembled.messages
@@ -159,6 +174,7 @@ class PersonaChat:
             action=action,
             expected_len=len(session.messages) if session else 0,
             template=self._template(request),
+            prompt_tokens=assembled.prompt_tokens,
         )
 
     @staticmethod
@@ -222,5 +238,7 @@ class PersonaChat:
                     session_id=turn.session_id,
                     action=turn.action,
                 )
+        if turn.session_id is not None and turn.action == "reply" and self.memory is not None:
+            self.memory.consider(turn)
         if worker_id:
             await self._store.note_character_worker(turn.tenant, turn.character_id, worker_id)

@@ -90,14 +90,20 @@ class Session:
     created: int
     last_worker: str
     messages: list[dict[str, Any]]
+    summary: str = ""
+    """The memory: a summary of the first :attr:`summary_upto` messages."""
+    summary_upto: int = 0
 
     def history(self) -> list[dict[str, str]]:
-        """The conversation as the prompt takes it: each message's role and shown text."""
-        return [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        """The conversation as the prompt takes it: each message's role and shown text,
+        from the first one the summary does not cover."""
+        return [
+            {"role": m["role"], "content": m["content"]} for m in self.messages[self.summary_upto :]
+        ]
 
     def body(self) -> dict[str, Any]:
         """The API form."""
-        return {
+        body = {
             "id": self.id,
             "object": "session",
             "created": self.created,
@@ -105,16 +111,24 @@ class Session:
             "user_name": self.user_name,
             "messages": self.messages,
         }
+        if self.summary:
+            body["memory"] = {"summary": self.summary, "covers": self.summary_upto}
+        return body
 
 
 # Append both turns only if the session still exists (a deleted session stays deleted);
-# keep its last ARGV[5] messages, and its keys ARGV[6] ms past this activity.
+# keep its last ARGV[5] messages (the memory then covers that many fewer), and its keys
+# ARGV[6] ms past this activity.
 # KEYS: session, turns, the tenant's session index. ARGV: user turn, reply, worker, unix
 # time, max messages, ttl ms, session id, now ms.
 _APPEND = """#!lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('RPUSH', KEYS[2], ARGV[1], ARGV[2])
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[5]), -1)
+local over = redis.call('RPUSH', KEYS[2], ARGV[1], ARGV[2]) - tonumber(ARGV[5])
+if over > 0 then
+  redis.call('LTRIM', KEYS[2], over, -1)
+  local upto = tonumber(redis.call('HGET', KEYS[1], 'summary_upto') or '0')
+  if upto > 0 then redis.call('HSET', KEYS[1], 'summary_upto', math.max(upto - over, 0)) end
+end
 redis.call('HSET', KEYS[1], 'last_worker', ARGV[3], 'updated', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
@@ -191,6 +205,9 @@ if i >= redis.call('LLEN', KEYS[2]) then return redis.error_reply('index') end
 if ARGV[2] == 'delete' then
   redis.call('LSET', KEYS[2], i, ARGV[3])
   redis.call('LREM', KEYS[2], 1, ARGV[3])
+  if i < tonumber(redis.call('HGET', KEYS[1], 'summary_upto') or '0') then
+    redis.call('HINCRBY', KEYS[1], 'summary_upto', -1)
+  end
   return ''
 end
 local m = cjson.decode(redis.call('LINDEX', KEYS[2], i))
@@ -209,9 +226,9 @@ return stored
 """
 
 # A new session holding the first ARGV[1] messages of another (same character, user
-# name, and last worker, whose prefix cache holds them), unless the tenant has ARGV[2]
-# live sessions. KEYS: source session, source turns, new session, new turns, index.
-# ARGV: messages kept, cap, ttl ms, new id, now ms, unix time.
+# name, memory if they hold all it covers, and last worker, whose prefix cache holds
+# them), unless the tenant has ARGV[2] live sessions. KEYS: source session, source
+# turns, new session, new turns, index. ARGV: messages kept, cap, ttl ms, new id, now ms, unix time.
 _BRANCH = """#!lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local at = tonumber(ARGV[1])
@@ -220,9 +237,14 @@ local now, ttl = tonumber(ARGV[5]), tonumber(ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - ttl)
 local cap = tonumber(ARGV[2])
 if cap > 0 and redis.call('ZCARD', KEYS[5]) >= cap then return 0 end
-local src = redis.call('HMGET', KEYS[1], 'character_id', 'user_name', 'last_worker')
+local src = redis.call('HMGET', KEYS[1], 'character_id', 'user_name', 'last_worker',
+                      'summary', 'summary_upto')
 redis.call('HSET', KEYS[3], 'character_id', src[1], 'user_name', src[2],
            'created', ARGV[6], 'last_worker', src[3] or '')
+-- The memory goes along when the branch holds everything it covers.
+if src[4] and tonumber(src[5] or '0') <= at then
+  redis.call('HSET', KEYS[3], 'summary', src[4], 'summary_upto', src[5])
+end
 redis.call('PEXPIRE', KEYS[3], ttl)
 local i = 0
 while i < at do
@@ -232,6 +254,30 @@ while i < at do
 end
 if at > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
 redis.call('ZADD', KEYS[5], now, ARGV[4])
+return 1
+"""
+
+
+# Take the session's summary job unless another gateway holds it (for less than ARGV[2]
+# ms). KEYS: session. ARGV: now ms, hold ms. 1: taken.
+_CLAIM_SUMMARY = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local held = tonumber(redis.call('HGET', KEYS[1], 'summary_pending') or '0')
+if tonumber(ARGV[1]) - held < tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'summary_pending', ARGV[1])
+return 1
+"""
+
+# Store a summary of the first ARGV[2] messages if the memory still covers ARGV[1] (no
+# deletion or trim moved it meanwhile), and release the job. KEYS: session.
+# ARGV: covered before, covered now, summary.
+_RECORD_SUMMARY = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'summary_pending')
+if tonumber(redis.call('HGET', KEYS[1], 'summary_upto') or '0') ~= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'summary', ARGV[3], 'summary_upto', ARGV[2])
 return 1
 """
 
@@ -256,6 +302,8 @@ class CharacterStore:
         self._replace_last = redis.register_script(_REPLACE_LAST)
         self._edit = redis.register_script(_EDIT)
         self._branch = redis.register_script(_BRANCH)
+        self._claim_summary = redis.register_script(_CLAIM_SUMMARY)
+        self._record_summary = redis.register_script(_RECORD_SUMMARY)
 
     async def create_character(self, tenant: str, card: Card, max_characters: int = 0) -> Character:
         """Store ``card`` as a new character (:class:`QuotaExceeded` past
@@ -354,13 +402,16 @@ class CharacterStore:
         if not fields:
             raise _no_session(session_id)
         text = {k.decode(): v.decode() for k, v in fields.items()}
+        messages = [json.loads(t) for t in turns]
         return Session(
             session_id,
             text["character_id"],
             text["user_name"],
             int(text["created"]),
             text.get("last_worker", ""),
-            [json.loads(t) for t in turns],
+            messages,
+            text.get("summary", ""),
+            min(int(text.get("summary_upto", "0")), len(messages)),
         )
 
     async def character_worker(self, tenant: str, character_id: str) -> str:
@@ -495,6 +546,29 @@ class CharacterStore:
         if not done:
             raise QuotaExceeded(f"this tenant has {max_sessions} sessions, its limit")
         return await self.session(tenant, new_id)
+
+    async def claim_summary(self, tenant: str, session_id: str, hold_ms: int) -> bool:
+        """Take the session's summary job (False: another holds it, for up to
+        ``hold_ms``, or the session is gone)."""
+        taken = await self._claim_summary(
+            keys=[self._keys.session(tenant, session_id)], args=[now_ms(), hold_ms]
+        )
+        return bool(taken)
+
+    async def record_summary(
+        self, tenant: str, session_id: str, covered: int, now_covers: int, summary: str
+    ) -> bool:
+        """Store ``summary`` of the first ``now_covers`` messages, if the memory still
+        covers ``covered`` (else the job's view is stale: False); the job is released
+        either way (an empty ``summary`` only releases it)."""
+        if not summary:
+            await self._redis.hdel(self._keys.session(tenant, session_id), "summary_pending")
+            return False
+        done = await self._record_summary(
+            keys=[self._keys.session(tenant, session_id)],
+            args=[covered, now_covers, summary],
+        )
+        return bool(done)
 
 
 def _no_session(session_id: str) -> NotFound:
