@@ -24,6 +24,11 @@ everything after the persona's first triggered entry whenever the triggered set 
 The model reads the triggered entries nearer the end (as SillyTavern's "@ depth 0"
 placement puts them), which is the one difference a card author may notice.
 
+A group chat's persona holds every member's description, personality, scenario, constant
+entries and examples, each under ``[name]``, in the group's order, after the first
+member's system prompt; the speaker's post-history instructions and :data:`GROUP_NUDGE`
+follow the history, so a change of speaker changes only the prompt's end.
+
 Macros (``{{char}}``, ``{{user}}``, legacy ``<BOT>``/``<CHAR>``/``<USER>``, any case) are
 expanded in every card-derived text, never in the history. ``{{char}}`` is V3's nickname
 when the card has one.
@@ -60,6 +65,9 @@ import regex
 
 from cluster.characters.cards import Card, Lorebook, LoreEntry
 from cluster.errors import InvalidInput
+
+GROUP_NUDGE = "[Write the next reply only as {{char}}.]"
+"""What closes a group chat's prompt: who speaks next (SillyTavern's default wording)."""
 
 DEFAULT_SCAN_DEPTH = 4
 LORE_REGEX_BUDGET_S = 0.05
@@ -123,33 +131,47 @@ def assemble(
     default_post_history_instructions: str = "",
     layout: Layout = "stable",
     memory: str = "",
+    group: Sequence[Card] = (),
 ) -> Assembled:
     """Build the messages for ``card`` and ``history`` within ``max_prompt_tokens``, in
-    ``layout`` (see the module's docstring)."""
+    ``layout`` (see the module's docstring). In a group chat, ``group`` holds every
+    member (``card``, the one to speak next, among them): the persona describes them all,
+    in the group's order, so it stays the same whoever speaks; the speaker's post-history
+    instructions and :data:`GROUP_NUDGE` close the prompt."""
 
-    def macros(text: str) -> str:
-        return expand_macros(text, char=card.display_name, user=user_name).strip()
+    def macros_of(member: Card) -> Callable[[str], str]:
+        return lambda text: expand_macros(text, char=member.display_name, user=user_name).strip()
 
-    system = _override(card.system_prompt, default_system_prompt)
+    members = tuple(group) or (card,)
     scan = _Scan(LORE_REGEX_BUDGET_S)
-    lore = _triggered_lore(card.character_book, history, count_tokens, scan)
-    fixed = lore if layout == "frontend" else tuple(e for e in lore if e.constant)
-    late = [macros(_strip_decorators(e.content)) for e in lore if e not in fixed]
-    persona = [
-        macros(system),
-        *(macros(_strip_decorators(e.content)) for e in fixed if e.position == "before_char"),
-        macros(card.description),
-        macros(_labelled("{{char}}'s personality: ", card.personality)),
-        macros(_labelled("Scenario: ", card.scenario)),
-        *(macros(_strip_decorators(e.content)) for e in fixed if e.position == "after_char"),
-        _examples(macros(card.mes_example)),
-    ]
-    persona_text = "\n\n".join(part for part in persona if part)
+    lore: tuple[LoreEntry, ...] = ()
+    late: list[str] = []
+    blocks: list[str] = []
+    for member in members:
+        macros = macros_of(member)
+        triggered = _triggered_lore(member.character_book, history, count_tokens, scan)
+        lore += triggered
+        fixed = triggered if layout == "frontend" else tuple(e for e in triggered if e.constant)
+        late += [macros(_strip_decorators(e.content)) for e in triggered if e not in fixed]
+        parts = [
+            *(macros(_strip_decorators(e.content)) for e in fixed if e.position == "before_char"),
+            macros(member.description),
+            macros(_labelled("{{char}}'s personality: ", member.personality)),
+            macros(_labelled("Scenario: ", member.scenario)),
+            *(macros(_strip_decorators(e.content)) for e in fixed if e.position == "after_char"),
+            _examples(macros(member.mes_example)),
+        ]
+        block = "\n\n".join(part for part in parts if part)
+        blocks.append(f"[{member.display_name}]\n{block}" if group and block else block)
+    system = macros_of(members[0])(_override(members[0].system_prompt, default_system_prompt))
+    persona_text = "\n\n".join(part for part in [system, *blocks] if part)
     head = [{"role": "system", "content": persona_text}] if persona_text else []
     if memory:
         head.append({"role": "system", "content": memory})
-    post = macros(_override(card.post_history_instructions, default_post_history_instructions))
-    end = "\n\n".join(part for part in [*late, post] if part)
+    speaker = macros_of(card)
+    post = speaker(_override(card.post_history_instructions, default_post_history_instructions))
+    nudge = speaker(GROUP_NUDGE) if group else ""
+    end = "\n\n".join(part for part in [*late, post, nudge] if part)
     tail = [{"role": "system", "content": end}] if end else []
     turns = [dict(m) for m in history]
 

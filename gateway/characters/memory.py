@@ -139,7 +139,8 @@ class SessionMemory:
         lines: list[str] = []
         taken = 0
         for message in pending[:end]:
-            line = f"{names.get(message['role'], message['role'])}: {message['content']}"
+            name = message.get("name") or names.get(message["role"], message["role"])
+            line = f"{name}: {message['content']}"
             cost = self._prompts.count([{"role": "user", "content": line}])
             if cost > room:
                 break

@@ -29,7 +29,7 @@ from typing import Protocol
 import structlog
 
 from cluster.characters.persona import Layout, PromptTooLong, assemble, expand_macros
-from gateway.characters.store import CharacterStore, Session
+from gateway.characters.store import Character, CharacterStore, Session, speaker
 from gateway.chat.prompts import TemplateOptions
 from gateway.chat.schemas import ChatCompletionRequest, SessionAction
 from gateway.http.errors import BadRequest, Conflict
@@ -70,6 +70,8 @@ class PersonaTurn:
     expected_len: int = 0
     template: TemplateOptions | None = None
     prompt_tokens: int = 0
+    speaker: dict[str, str] | None = None
+    """In a group chat: who speaks (recorded with the reply)."""
 
 
 # How an action's prompt ends: continue the last reply; warm ends after the conversation
@@ -113,9 +115,20 @@ class PersonaChat:
             return None
         session: Session | None = None
         action = request.session_action
+        group: list[Character] = []
         if isinstance(session_id, str):
             session = await self._store.session(tenant, session_id)
-            character = await self._store.character(tenant, session.character_id)
+            if session.group:
+                group = list(
+                    await asyncio.gather(
+                        *(self._store.character(tenant, cid) for cid in session.group)
+                    )
+                )
+                character = _next_speaker(request, session, group)
+            elif request.speaker is not None:
+                raise BadRequest("speaker is for group sessions", param="speaker")
+            else:
+                character = await self._store.character(tenant, session.character_id)
             user_name = session.user_name
             instruction = expand_macros(
                 IMPERSONATE_PROMPT, char=character.card.display_name, user=user_name
@@ -140,6 +153,7 @@ class PersonaChat:
                     max_prompt_tokens=self._max_model_len - max_tokens,
                     layout=self._layout,
                     memory=memory,
+                    group=[c.card for c in group],
                 )
             )
             messages = assembled.messages
@@ -175,6 +189,7 @@ class PersonaChat:
             expected_len=len(session.messages) if session else 0,
             template=self._template(request),
             prompt_tokens=assembled.prompt_tokens,
+            speaker=speaker(character) if group else None,
         )
 
     @staticmethod
@@ -225,7 +240,7 @@ class PersonaChat:
         """Record a completed reply (as its action says) and where it ran."""
         if turn.session_id is not None and turn.action == "reply":
             await self._store.append_turn(
-                turn.tenant, turn.session_id, turn.user_text, reply, worker_id
+                turn.tenant, turn.session_id, turn.user_text, reply, worker_id, turn.speaker
             )
         elif turn.session_id is not None and turn.action in ("swipe", "continue"):
             mode = "swipe" if turn.action == "swipe" else "extend"
@@ -242,3 +257,40 @@ class PersonaChat:
             self.memory.consider(turn)
         if worker_id:
             await self._store.note_character_worker(turn.tenant, turn.character_id, worker_id)
+
+
+def _next_speaker(
+    request: ChatCompletionRequest, session: Session, group: list[Character]
+) -> Character:
+    """Who speaks next in a group chat: the request's ``speaker``; for a swipe or continue,
+    the last reply's; else a member the user's message names (the earliest named), else
+    the member after the last one who spoke."""
+    by_id = {c.id: c for c in group}
+    if request.speaker is not None:
+        if request.speaker not in by_id:
+            raise BadRequest(
+                f"{request.speaker!r} is not a character of this group session", param="speaker"
+            )
+        return by_id[request.speaker]
+    last = next(
+        (
+            m["character_id"]
+            for m in reversed(session.messages)
+            if m["role"] == "assistant" and m.get("character_id") in by_id
+        ),
+        None,
+    )
+    if request.session_action in ("swipe", "continue") and last is not None:
+        return by_id[last]
+    if request.session_action == "reply" and request.messages:
+        text = request.messages[-1].text().lower()
+        named = [
+            (at, i)
+            for i, c in enumerate(group)
+            if (at := text.find(c.card.display_name.lower())) >= 0
+        ]
+        if named:
+            return group[min(named)[1]]
+    if last is None:
+        return group[0]
+    return group[(list(by_id).index(last) + 1) % len(group)]

@@ -54,12 +54,21 @@ class CardRejected(APIError):
         self.status = 413 if exc.code == "card_too_large" else 400
 
 
+MAX_GROUP = 8
+
+
 class SessionCreate(BaseModel):
-    """``POST /v1/sessions``."""
+    """``POST /v1/sessions``: one character, or a group of them."""
 
     model_config = ConfigDict(extra="forbid")
 
-    character_id: str = Field(min_length=1, max_length=64)
+    character_id: str | None = Field(default=None, min_length=1, max_length=64)
+    character_ids: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None,
+        min_length=2,
+        max_length=MAX_GROUP,
+        description="A group chat: its characters, in order; the first greets.",
+    )
     user_name: str = Field(default="User", min_length=1, max_length=128)
     greeting_index: int | None = Field(
         default=None, ge=0, description="0 = first_mes (the default), n = alternate greeting n."
@@ -67,6 +76,16 @@ class SessionCreate(BaseModel):
     random_greeting: bool = Field(
         default=False, description="Open with a greeting picked at random (a 'swipe')."
     )
+
+    @model_validator(mode="after")
+    def _one_or_a_group(self) -> SessionCreate:
+        if (self.character_id is None) == (self.character_ids is None):
+            raise ValueError("give either character_id or character_ids")
+        if self.character_ids is not None and len(set(self.character_ids)) != len(
+            self.character_ids
+        ):
+            raise ValueError("character_ids: each character once")
+        return self
 
 
 MAX_MESSAGE_CHARS = 100_000
@@ -160,7 +179,9 @@ def router() -> APIRouter:
         """Start a conversation; the reply carries the character's greeting."""
         tenant = tenant_of(request)
         characters = store(request)
-        character = await characters.character(tenant, body.character_id)
+        ids = body.character_ids or [str(body.character_id)]
+        group = tuple(await asyncio.gather(*(characters.character(tenant, cid) for cid in ids)))
+        character = group[0]
         try:
             greeting = render_greeting(
                 character.card,
@@ -172,7 +193,12 @@ def router() -> APIRouter:
             raise BadRequest(exc.message, param="greeting_index") from exc
         limits = await services(request).auth.limits(tenant)
         session = await characters.create_session(
-            tenant, character, body.user_name, greeting, limits.max_sessions
+            tenant,
+            character,
+            body.user_name,
+            greeting,
+            limits.max_sessions,
+            group if body.character_ids else (),
         )
         return {**session.body(), "greeting": greeting}
 

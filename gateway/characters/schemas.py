@@ -40,6 +40,15 @@ class SessionMessage(BaseModel):
     content: str
     swipes: list[str] | None = None
     swipe_id: int | None = None
+    name: str | None = Field(default=None, description="A group chat's speaker.")
+    character_id: str | None = None
+
+
+class SessionMemory(BaseModel):
+    """A long session's summary of its oldest turns."""
+
+    summary: str
+    covers: int = Field(description="The messages it covers: the first this many.")
 
 
 class SessionBody(BaseModel):
@@ -51,6 +60,8 @@ class SessionBody(BaseModel):
     character_id: str
     user_name: str
     messages: list[SessionMessage]
+    character_ids: list[str] | None = Field(default=None, description="A group's members.")
+    memory: SessionMemory | None = None
 
 
 class SessionCreated(SessionBody):

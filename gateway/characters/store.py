@@ -93,12 +93,20 @@ class Session:
     summary: str = ""
     """The memory: a summary of the first :attr:`summary_upto` messages."""
     summary_upto: int = 0
+    group: tuple[str, ...] = ()
+    """A group chat's characters, in order (empty: one character); its replies name
+    their speaker (``name``, ``character_id``)."""
 
     def history(self) -> list[dict[str, str]]:
-        """The conversation as the prompt takes it: each message's role and shown text,
-        from the first one the summary does not cover."""
+        """The conversation as the prompt takes it: each message's role and shown text
+        (in a group chat, a reply's after its speaker's name), from the first one the
+        summary does not cover."""
         return [
-            {"role": m["role"], "content": m["content"]} for m in self.messages[self.summary_upto :]
+            {
+                "role": m["role"],
+                "content": f"{m['name']}: {m['content']}" if "name" in m else m["content"],
+            }
+            for m in self.messages[self.summary_upto :]
         ]
 
     def body(self) -> dict[str, Any]:
@@ -111,6 +119,8 @@ class Session:
             "user_name": self.user_name,
             "messages": self.messages,
         }
+        if self.group:
+            body["character_ids"] = list(self.group)
         if self.summary:
             body["memory"] = {"summary": self.summary, "covers": self.summary_upto}
         return body
@@ -148,7 +158,8 @@ return 1
 
 # Open a session unless the tenant has ARGV[5] live ones (those idle past their TTL are
 # pruned from the index first). KEYS: session, turns, index. ARGV: character id, user
-# name, unix time, greeting message ('' none), cap, ttl ms, session id, now ms.
+# name, unix time, greeting message ('' none), cap, ttl ms, session id, now ms, group
+# ('' none: a JSON list of character ids).
 _ADD_SESSION = """#!lua
 local now, ttl = tonumber(ARGV[8]), tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ttl)
@@ -156,6 +167,7 @@ local cap = tonumber(ARGV[5])
 if cap > 0 and redis.call('ZCARD', KEYS[3]) >= cap then return 0 end
 redis.call('HSET', KEYS[1], 'character_id', ARGV[1], 'user_name', ARGV[2],
            'created', ARGV[3], 'last_worker', '')
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'group', ARGV[9]) end
 redis.call('PEXPIRE', KEYS[1], ttl)
 if ARGV[4] ~= '' then
   redis.call('RPUSH', KEYS[2], ARGV[4])
@@ -238,9 +250,10 @@ redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - ttl)
 local cap = tonumber(ARGV[2])
 if cap > 0 and redis.call('ZCARD', KEYS[5]) >= cap then return 0 end
 local src = redis.call('HMGET', KEYS[1], 'character_id', 'user_name', 'last_worker',
-                      'summary', 'summary_upto')
+                      'summary', 'summary_upto', 'group')
 redis.call('HSET', KEYS[3], 'character_id', src[1], 'user_name', src[2],
            'created', ARGV[6], 'last_worker', src[3] or '')
+if src[6] then redis.call('HSET', KEYS[3], 'group', src[6]) end
 -- The memory goes along when the branch holds everything it covers.
 if src[4] and tonumber(src[5] or '0') <= at then
   redis.call('HSET', KEYS[3], 'summary', src[4], 'summary_upto', src[5])
@@ -360,16 +373,22 @@ class CharacterStore:
         user_name: str,
         greeting: str,
         max_sessions: int = 0,
+        group: tuple[Character, ...] = (),
     ) -> Session:
         """A new session that opens with ``greeting`` from the character
-        (:class:`QuotaExceeded` past ``max_sessions`` live ones)."""
+        (:class:`QuotaExceeded` past ``max_sessions`` live ones); a group chat when
+        ``group`` names its characters (``character`` among them, who greets)."""
+        opening: dict[str, Any] = {"role": "assistant", "content": greeting}
+        if group:
+            opening.update(speaker(character))
         session = Session(
             f"sess_{secrets.token_hex(8)}",
             character.id,
             user_name,
             int(time.time()),
             "",
-            [{"role": "assistant", "content": greeting}] if greeting else [],
+            [opening] if greeting else [],
+            group=tuple(c.id for c in group),
         )
         greeting_message = json.dumps(session.messages[0]) if session.messages else ""
         added = await self._add_session(
@@ -387,6 +406,7 @@ class CharacterStore:
                 self._session_ttl_ms,
                 session.id,
                 now_ms(),
+                json.dumps(session.group) if session.group else "",
             ],
         )
         if not added:
@@ -412,6 +432,7 @@ class CharacterStore:
             messages,
             text.get("summary", ""),
             min(int(text.get("summary_upto", "0")), len(messages)),
+            tuple(json.loads(text["group"])) if "group" in text else (),
         )
 
     async def character_worker(self, tenant: str, character_id: str) -> str:
@@ -436,9 +457,16 @@ class CharacterStore:
         return bool(removed)
 
     async def append_turn(
-        self, tenant: str, session_id: str, user: str, reply: str, worker_id: str
+        self,
+        tenant: str,
+        session_id: str,
+        user: str,
+        reply: str,
+        worker_id: str,
+        by: dict[str, str] | None = None,
     ) -> bool:
-        """Append a completed exchange; False if the session was deleted meanwhile."""
+        """Append a completed exchange (in a group chat, ``by`` names the speaker: see
+        :func:`speaker`); False if the session was deleted meanwhile."""
         done = await self._append(
             keys=[
                 self._keys.session(tenant, session_id),
@@ -447,7 +475,7 @@ class CharacterStore:
             ],
             args=[
                 json.dumps({"role": "user", "content": user}),
-                json.dumps({"role": "assistant", "content": reply}),
+                json.dumps({"role": "assistant", "content": reply, **(by or {})}),
                 worker_id,
                 int(time.time()),
                 self._max_messages,
@@ -569,6 +597,11 @@ class CharacterStore:
             args=[covered, now_covers, summary],
         )
         return bool(done)
+
+
+def speaker(character: Character) -> dict[str, str]:
+    """How a group chat's reply names who said it."""
+    return {"name": character.card.display_name, "character_id": character.id}
 
 
 def _no_session(session_id: str) -> NotFound:

@@ -450,6 +450,13 @@ class ChatCompletionRequest(SamplingRequest):
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     character_id: str | None = Field(default=None, min_length=1, max_length=128)
     user_name: str | None = Field(default=None, min_length=1, max_length=128)
+    speaker: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="In a group session: the character (id) who speaks next; default by "
+        "the group's rule (a member named in the message, else the next in turn).",
+    )
     session_action: SessionAction = Field(
         default="reply",
         description="With session_id: reply (one new user message), swipe (another reply "
@@ -464,6 +471,8 @@ class ChatCompletionRequest(SamplingRequest):
     def _contradiction(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.speaker is not None and self.session_id is None:
+            return ("speaker", "speaker needs a group session's session_id")
         if self.session_action != "reply":
             if self.session_id is None:
                 return ("session_action", f"{self.session_action} needs a session_id")

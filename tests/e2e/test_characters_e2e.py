@@ -143,3 +143,41 @@ async def test_swipe_continue_impersonate_and_branch_on_the_engine(stack: Stack)
         stored = (await http.get(f"/v1/sessions/{bid}")).json()["messages"]
         assert stored[:3] == continued[:3] and len(stored) == 5
         assert (await http.get(f"/v1/sessions/{sid}")).json()["messages"] == continued
+
+
+async def test_a_group_sessions_prefix_stays_cached_as_the_speaker_changes(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        ids = []
+        for name in ("Mira", "Rook", "Vale"):
+            data = {**CARD["data"], "name": name, "post_history_instructions": ""}
+            ids.append(
+                (await http.post("/v1/characters", json={**CARD, "data": data})).json()["id"]
+            )
+        sid = (await http.post("/v1/sessions", json={"character_ids": ids})).json()["id"]
+        previous = 0
+        for n, speaker in enumerate([ids[1], ids[2], ids[0]]):
+            resp = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "session_id": sid,
+                    "speaker": speaker,
+                    "messages": [{"role": "user", "content": f"Your turn, number {n}."}],
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            )
+            assert resp.status_code == 200, resp.text
+            usage = resp.json()["usage"]
+            if previous:
+                # All of the previous prompt but its closing nudge is cached.
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= previous - MAX_BLOCK_TOKENS - 16, (cached, previous)
+            previous = usage["prompt_tokens"]
+        stored = (await http.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert [m.get("name") for m in stored if m["role"] == "assistant"] == [
+            "Mira",
+            "Rook",
+            "Vale",
+            "Mira",
+        ]

@@ -4,6 +4,7 @@ edits and deletions, branches, and the refusals of each."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -220,3 +221,90 @@ async def test_warm_prefills_the_next_turns_prefix_in_the_batch_class(
     refused = await client.post(f"/v1/sessions/{sid}/warm", json={"max_tokens": 5, "x": 1})
     # A warm generates one token, never streamed: the route sets them.
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def _card(name: str) -> dict[str, Any]:
+    data = {**V2_CARD["data"], "name": name, "description": f"{{{{char}}}} is {name}."}
+    return {**V2_CARD, "data": {**data, "character_book": None}}
+
+
+async def test_a_group_session_keeps_its_prefix_as_the_speaker_changes(
+    client: httpx.AsyncClient, gw: Gateway, tokenizer: Any
+) -> None:
+    ids = [(await client.post("/v1/characters", json=_card(n))).json()["id"] for n in NAMES]
+    created = await client.post("/v1/sessions", json={"character_ids": ids, "user_name": "Ada"})
+    assert created.status_code == 200, created.text
+    sid = created.json()["id"]
+    assert created.json()["character_ids"] == ids
+    assert created.json()["messages"][0]["name"] == "Mira"
+    texts: list[str] = []
+    for message, extra in [
+        ("Hello, all of you.", {}),  # round robin: after Mira, Rook
+        ("Vale, what do you think?", {}),  # named
+        ("And you?", {"speaker": ids[0]}),  # chosen by the client
+        ("Go on.", {}),  # after Mira, Rook again
+    ]:
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "session_id": sid,
+                "messages": [{"role": "user", "content": message}],
+                "max_tokens": 2,
+                **extra,
+            },
+        )
+        assert resp.status_code == 200, resp.text
+        texts.append(tokenizer.decode(_prompt(gw, resp)))
+    stored = await _messages(client, sid)
+    assert [m.get("name") for m in stored if m["role"] == "assistant"] == [
+        "Mira",
+        "Rook",
+        "Vale",
+        "Mira",
+        "Rook",
+    ]
+    # Everyone's persona in every prompt; each prompt goes on from the one before up to
+    # its closing instructions (the speaker's nudge), so the cache holds the rest.
+    for text, name in zip(texts, ["Rook", "Vale", "Mira", "Rook"], strict=True):
+        assert all(f"[{n}]" in text for n in NAMES)
+        assert text.rstrip().endswith(
+            f"[Write the next reply only as {name}.]<|im_end|>\n<|im_start|>assistant"
+        )
+        # Replies carry their speaker's name in the history.
+        assert "Rook:  t0 t1" in text or text is texts[0], text[-300:]
+    for earlier, later in itertools.pairwise(texts):
+        shared = earlier[: earlier.rindex("<|im_start|>system")]
+        assert later.startswith(shared)
+
+
+NAMES = ["Mira", "Rook", "Vale"]
+
+
+async def test_group_session_refusals(client: httpx.AsyncClient) -> None:
+    ids = [(await client.post("/v1/characters", json=_card(n))).json()["id"] for n in NAMES]
+    solo = await _session(client)
+    cases: list[tuple[str, dict[str, Any], int, str | None]] = [
+        ("/v1/sessions", {"character_ids": ids[:1]}, 400, "character_ids"),
+        ("/v1/sessions", {"character_ids": [ids[0], ids[0]]}, 400, None),
+        ("/v1/sessions", {"character_ids": ids, "character_id": ids[0]}, 400, None),
+        ("/v1/sessions", {"character_ids": [*ids[:2], "char_nope"]}, 404, "character_id"),
+        ("/v1/sessions", {"character_ids": ids * 3}, 400, "character_ids"),
+    ]
+    for url, body, status, param in cases:
+        resp = await client.post(url, json=body)
+        assert resp.status_code == status, (body, resp.text)
+        if param is not None:
+            assert resp.json()["error"]["param"] == param, (body, resp.text)
+    group = (await client.post("/v1/sessions", json={"character_ids": ids})).json()["id"]
+    for sid, speaker in [(group, "char_nope"), (solo, ids[0])]:
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "session_id": sid,
+                "speaker": speaker,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "speaker", resp.text
