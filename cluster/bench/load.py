@@ -52,10 +52,13 @@ async def one_request(
     extra: dict[str, Any] | None = None,
 ) -> Sample:
     """Send one streaming chat completion and time it (``messages`` replaces the default
-    system prompt plus ``prompt``; ``extra`` adds body fields)."""
+    system prompt plus ``prompt``, and an empty list sends none; ``extra`` adds body
+    fields)."""
     body = {**request_body(model, max_tokens, prompt), **(extra or {})}
-    if messages:
+    if messages is not None:
         body["messages"] = messages
+    if not body["messages"]:  # a session action: the session holds the conversation
+        del body["messages"]
     timer = StreamTimer(time.perf_counter())
     try:
         async with client.stream(

@@ -11,6 +11,8 @@ ways: from each reply's ``usage.prompt_tokens_details.cached_tokens``, and from 
 Give it two gateways on the same Redis and workers, ``--url`` with
 ``CHARSERVE_SESSION_AFFINITY=true`` and ``--compare`` with ``false``; rounds alternate
 between them, so both see the same machine, workers and caches.
+
+``--actions`` measures the session actions instead (:mod:`cluster.bench.session_actions`).
 """
 
 from __future__ import annotations
@@ -190,10 +192,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--metrics-wait-s", type=float, default=7.0)
     parser.add_argument("--json", default="bench-sessions.json", help="write the report here")
+    from cluster.bench import session_actions  # it imports this module
+
+    session_actions.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print a table, write the JSON report."""
+    if args.actions:
+        from cluster.bench import session_actions
+
+        report = asyncio.run(session_actions.bench(args))
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(session_actions.table(report))
+        return 0
     report = asyncio.run(bench(args))
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     rows = [k for k in ("affinity", "no_affinity") if k in report]
