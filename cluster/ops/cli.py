@@ -10,6 +10,8 @@
 - ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench.mixed``).
 - ``charserve bench-sessions``: multi-turn sessions, affinity against none
   (``cluster.bench.sessions``).
+- ``charserve bench-peers``: charserve against vLLM's own server, one at a time, by vLLM's
+  client and ours (``cluster.bench.peers``).
 - ``charserve bench-tenants``: one tenant floods, another chats beside it
   (``cluster.bench.tenants``).
 - ``charserve backfill``: character dialogues through a gateway (``cluster.backfill``).
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.backfill import cli as backfill
     from cluster.bench import backfill as bench_backfill
     from cluster.bench import mixed as bench_mixed
+    from cluster.bench import peers as bench_peers
     from cluster.bench import sessions as bench_sessions
     from cluster.bench import tenants as bench_tenants
     from cluster.bench.load import add_arguments
@@ -136,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench_sessions.add_arguments(
         sub.add_parser("bench-sessions", help="multi-turn sessions, affinity against none")
+    )
+    bench_peers.add_arguments(
+        sub.add_parser("bench-peers", help="charserve against vLLM's own server, one at a time")
     )
     bench_tenants.add_arguments(
         sub.add_parser("bench-tenants", help="one tenant floods, another chats beside it")
@@ -168,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_mixed.run(args)
     if args.command == "bench-sessions":
         return bench_sessions.run(args)
+    if args.command == "bench-peers":
+        return bench_peers.run(args)
     if args.command == "bench-tenants":
         from cluster.ops.stack import admin_redis_url
 
