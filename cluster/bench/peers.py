@@ -11,8 +11,9 @@ client, and stopped, so no two engines ever share the cores:
   (``python -m workers.baselines.vllm_server``), a second line.
 
 The workload is vLLM's ``random`` dataset (``--input-len`` prompt tokens, ``--output-len``
-reply tokens with ``ignore_eos``) for vLLM's client, and ``charserve bench`` with the same
-reply length. Every run's JSON is kept in ``--out``; the table gives each figure's median
+reply tokens with ``ignore_eos``) for vLLM's client, GuideLLM's ``synthetic_text`` of the
+same sizes (``--clients ... guidellm``), and ``charserve bench`` with the same reply
+length. Every run's JSON is kept in ``--out``; the table gives each figure's median
 over rounds and its ratio to ``vllm`` measured by the same client.
 
 On this machine vLLM's default ``gpu_memory_utilization`` (0.92 of the CPU's NUMA node)
@@ -165,6 +166,41 @@ def _our_client(
     ]  # fmt: skip
 
 
+def _guidellm_client(
+    peer: Peer, tokenizer: str, concurrency: int, prompts: int, args: argparse.Namespace, out: Path
+) -> list[str]:
+    return [
+        args.guidellm, "run",
+        "--backend", f"kind=openai_http,target=http://127.0.0.1:{peer.port},model={peer.model}",
+        "--profile", f"kind=concurrent,streams={concurrency}",
+        "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
+        f"output_tokens={args.output_len}",
+        "--constraint", f"kind=max_requests,count={prompts}",
+        "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+        "--output", f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+
+
+def read_guidellm(path: Path) -> dict[str, float]:
+    """The figures of one GuideLLM ``run`` report (its one benchmark)."""
+    m = json.loads(path.read_text())["benchmarks"][0]["metrics"]
+
+    def pct(name: str, p: str) -> float:
+        return float(m[name]["successful"]["percentiles"][p])
+
+    totals = m["request_totals"]
+    return {
+        "ttft_p50": pct("time_to_first_token_ms", "p50"),
+        "ttft_p99": pct("time_to_first_token_ms", "p99"),
+        "itl_p50": pct("inter_token_latency_ms", "p50"),
+        "itl_p99": pct("inter_token_latency_ms", "p99"),
+        # Output tokens over the benchmark's duration (its "Output Tokens Per Sec").
+        "tok_s": float(m["output_tokens_per_second"]["successful"]["mean"]),
+        "failed": totals["errored"] + totals["incomplete"],
+    }
+
+
 def read_vllm(path: Path) -> dict[str, float]:
     """The figures of one ``vllm bench serve`` result file."""
     d = json.loads(path.read_text())
@@ -189,6 +225,9 @@ def read_ours(path: Path) -> dict[str, float]:
         "tok_s": t["output_tokens_per_s"],
         "failed": t["errors"],
     }
+
+
+READERS = {"vllm": read_vllm, "charserve": read_ours, "guidellm": read_guidellm}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -223,6 +262,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                         path = out / f"{name}-{client}-c{concurrency}-{r}.json"
                         if client == "vllm":
                             cmd = _vllm_client(peer, model_path, concurrency, prompts, args, path)
+                        elif client == "guidellm":
+                            cmd = _guidellm_client(
+                                peer, model_path, concurrency, prompts, args, path
+                            )
                         else:
                             cmd = _our_client(peer, concurrency, prompts, args, path)
                         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -230,7 +273,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                         if done.returncode != 0:
                             log.warning("client failed", peer=name, client=client, path=str(path))
                             continue
-                        figures = (read_vllm if client == "vllm" else read_ours)(path)
+                        figures = READERS[client](path)
                         rows.append(
                             {"round": r, "peer": name, "client": client, "c": concurrency,
                              **figures}
@@ -288,7 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["charserve", "vllm", "vllm-ours"],
     )
     parser.add_argument("--clients", nargs="+", default=["vllm", "charserve"],
-                        choices=["vllm", "charserve"])  # fmt: skip
+                        choices=["vllm", "charserve", "guidellm"])  # fmt: skip
+    parser.add_argument(
+        "--guidellm",
+        default="guidellm",
+        help="GuideLLM's command, for --clients guidellm (install it in a venv of its own: "
+        "its dependencies differ from vLLM's)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument(
