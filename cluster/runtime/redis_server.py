@@ -161,6 +161,9 @@ class RedisServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # Its own session: a Ctrl-C in the terminal (SIGINT to the foreground group)
+            # reaches only its owner, which stops it last, after everything that uses it.
+            start_new_session=True,
         )
         assert self._proc.stdin is not None
         with self._proc.stdin:
@@ -208,6 +211,11 @@ class RedisServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self._proc is not None else None
 
     def stop(self) -> None:
         """Stop the server and remove its temporary folder."""
