@@ -9,12 +9,14 @@ every error leaves through one set of handlers.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
+from cluster.runtime import tracing
 from cluster.runtime.logs import configure_logging
 from cluster.runtime.settings import Settings
 from cluster.wire.keys import Keys
@@ -44,6 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the gateway app; settings default to the environment."""
     settings = settings or Settings()
     configure_logging(settings.log_level, settings.log_format)
+    # None while tracing is off (the default): nothing then imports OpenTelemetry's SDK.
+    traces = tracing.configure(settings.tracing, tracing.GATEWAY_SERVICE)
     keys = Keys(settings.namespace)
 
     @asynccontextmanager
@@ -53,6 +57,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await services.close()
+            if traces is not None:
+                # The batch processor would export what is left at exit; a flush here
+                # loses none of it when the process is stopped harder.
+                await asyncio.to_thread(traces.flush)
 
     app = GatewayApp(title="charserve", version="0.1.0", lifespan=lifespan)
     # Read by the HTTP protocol (gateway.http.server) for every connection.
@@ -65,7 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         probes.router(),
     ):
         app.include_router(router)
-    app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        EdgeMiddleware, max_body_bytes=settings.max_body_bytes, trace_context=traces is not None
+    )
     install_error_handlers(app)
     document_errors(app)
     return app

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.runtime.tracing import TracingMode
 from cluster.wire.replylog import REPLY_LOG_TTL_S
 from cluster.wire.tenants import AuthMode, Limits
 
@@ -107,6 +108,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Chunks buffered for one client; a client that falls this far behind "
         "is cut off with a slow_consumer error (it may resume from the log).",
+    )
+    sse_keepalive_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="A streamed request still waiting for its first token after this long "
+        "gets its 200 and an SSE comment (': keep-alive'), then one every this long until "
+        "the token comes, so no idle timeout cuts it; an error after that arrives as an SSE "
+        "error event (0: never; the status waits for the first token).",
     )
     # Characters and sessions.
     session_affinity: bool = Field(
@@ -231,3 +240,8 @@ class Settings(BaseSettings):
         default="auto", description="auto: pretty on a TTY, JSON otherwise."
     )
     log_level: str = Field(default="info", description="Level of the gateway's logs.")
+    tracing: TracingMode = Field(
+        default="off",
+        description="OpenTelemetry traces of requests: otlp (configured by the OTEL_* "
+        "variables), console (stdout, to debug) or off (workers read the same variable).",
+    )

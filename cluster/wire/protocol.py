@@ -20,13 +20,29 @@ import msgpack
 from cluster.errors import ProtocolError
 from cluster.wire.vocabulary import PriorityClass
 
-VERSION = 4
-_ACCEPTED = frozenset({1, 2, 3, 4})
+VERSION = 5
+_ACCEPTED = frozenset({1, 2, 3, 4, 5})
 
 
-# The sampling fields a Job may carry (vLLM's ``SamplingParams`` names): a gateway puts only
-# these in a job, and a worker hands vLLM only these.
-SAMPLING_FIELDS = frozenset(
+# The roleplay samplers' fields (DRY, XTC, banned strings; docs/api.md#roleplay-samplers):
+# not ``SamplingParams`` fields, a worker hands them to its logits processors through
+# ``SamplingParams.extra_args`` (workers/engines/samplers.py).
+ROLEPLAY_SAMPLING_FIELDS = frozenset(
+    {
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
+        "xtc_threshold",
+        "xtc_probability",
+        "banned_strings",
+    }
+)
+
+# The sampling fields a Job may carry (vLLM's ``SamplingParams`` names, and the roleplay
+# samplers'): a gateway puts only these in a job, and a worker hands vLLM only these.
+SAMPLING_FIELDS = ROLEPLAY_SAMPLING_FIELDS | frozenset(
     {
         "presence_penalty",
         "frequency_penalty",
@@ -75,6 +91,9 @@ class Job:
     # v3: the reply outlives its client (any gateway can serve its log); a job that is not
     # resumable stops once the gateway relaying it is gone.
     resumable: bool = False
+    # v5: the W3C ``traceparent`` of the gateway's span for this request when tracing is on
+    # (cluster/runtime/tracing.py): the worker's spans become its children. Empty when off.
+    traceparent: str = ""
 
 
 @dataclass(frozen=True, slots=True)

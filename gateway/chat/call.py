@@ -11,6 +11,17 @@ come back).
 A streamed reply hands the call to its response (:meth:`ChatCall.stream`), which ends it
 when the body ends, or when the body never starts because the client left first.
 
+The status of a reply waits for its first chunk, so an error before any token is a 4xx or
+5xx with its JSON body. A streamed request still waiting after the keep-alive interval
+(``sse_keepalive_s``; a request waiting in the queue) gets its 200 then, and SSE comments
+every interval until its first token, so that no idle timeout between the client and the
+gateway cuts it; an error after that point is an SSE error event, as mid-stream errors
+are. Fast requests and early refusals are answered exactly as without keep-alives.
+
+With tracing on, the call also owns the request's span (:mod:`cluster.runtime.tracing`):
+the enqueue, the wait in the queue and the first token are recorded under it, and
+:meth:`ChatCall.end` ends it.
+
 A request no worker takes by its deadline (every slot busy, or no batch room for a batch
 job) is not left waiting for the request timeout: shortly after its deadline the call
 withdraws it from the queue, if it is still there, and the client gets the same 429
@@ -20,6 +31,7 @@ withdraws it from the queue, if it is still there, and the client gets the same 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from typing import Any
@@ -32,6 +44,7 @@ from starlette.types import Scope, Send
 
 from cluster.errors import Disconnected
 from cluster.runtime.clock import RedisClock
+from cluster.runtime.tracing import Trace
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import Enqueued, JobQueue, Share
 from cluster.wire.vocabulary import DropReason, ErrorCode, Outcome
@@ -48,7 +61,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox, SlowConsumer
 from gateway.streaming.resume import RequestMeta
 from gateway.streaming.socket_writer import ConnectionWriter
-from gateway.streaming.sse import DONE, ChunkFormatter, error_event
+from gateway.streaming.sse import DONE, KEEPALIVE, KEEPALIVE_END, ChunkFormatter, error_event
 
 log = structlog.get_logger(__name__)
 
@@ -155,8 +168,13 @@ class ChatCall:
         timeout_s: float,
         clock: RedisClock | None = None,
         user: str | None = None,
+        trace: Trace | None = None,
     ) -> None:
         self.job = job
+        # The request's span (None: tracing is off); ended by end().
+        self._trace = trace
+        # When the enqueue returned (wall clock ns; kept only while tracing).
+        self._enqueued_ns = 0
         self._user = user  # the client's end user (OpenAI's ``user``), for abuse tracing
         self._clock = clock or RedisClock()
         self._inbox = inbox
@@ -174,6 +192,9 @@ class ChatCall:
         # Whether the job may be on the queue: from the enqueue until a reply says it was
         # not (a refusal, or an idempotent attach); a Redis error leaves it "maybe".
         self._maybe_queued = False
+        # The wait for the first chunk, once first() ran out of patience: the response's
+        # body takes it over (sending keep-alives meanwhile).
+        self._waiting: asyncio.Future[Chunk] | None = None
 
     # -- the reply, chunk by chunk -------------------------------------------------------
 
@@ -193,6 +214,7 @@ class ChatCall:
         answer); ``attached`` and ``conflict`` (the tenant's idempotency key names another
         job) are the caller's to serve."""
         self._maybe_queued = True
+        started_ns = time.time_ns() if self._trace is not None else 0
         try:
             result = await self._queue.enqueue(
                 self.job,
@@ -207,7 +229,14 @@ class ChatCall:
                 idempotency=idempotency,
             )
         except RedisError as exc:
+            if self._trace is not None:
+                self._trace.child("enqueue", started_ns, error=str(exc))
             raise queue_unavailable(exc) from exc
+        if self._trace is not None:
+            self._enqueued_ns = time.time_ns()
+            self._trace.child(
+                "enqueue", started_ns, self._enqueued_ns, {"charserve.enqueue": result.status}
+            )
         self._maybe_queued = result.status == "queued"
         if result.status == "queued":
             self._reply.enqueued = True
@@ -223,21 +252,71 @@ class ChatCall:
         self._first = self._first or chunk
         self._last = chunk
 
-    async def first(self, receive: Receive) -> Chunk:
+    async def first(self, receive: Receive, patience_s: float | None = None) -> Chunk | None:
         """The first chunk, while watching for the client to leave; an error that happens
         before any token (an expired deadline, a parameter the engine rejects) is raised
-        as the error the client gets, with its status."""
+        as the error the client gets, with its status.
+
+        With ``patience_s``, None when no chunk came within it: the wait goes on, for
+        :meth:`stream` to take over (the reply's status is then 200, whatever comes)."""
+        waiting = asyncio.ensure_future(self._first_in_time())
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        handed_over = False
         try:
-            chunk: Chunk = await race_disconnect(self._first_in_time(), receive)
+            await asyncio.wait(
+                {waiting, gone}, timeout=patience_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not waiting.done():
+                if gone.done():
+                    raise ClientGone
+                self._waiting, handed_over = waiting, True
+                return None
+        finally:
+            gone.cancel()
+            if not handed_over and not waiting.done():
+                waiting.cancel()
+        try:
+            chunk = waiting.result()
         except TimeoutError as exc:
             raise GatewayTimeout("no reply from any worker in time") from exc
-        self._note(chunk)
+        self._took_first(chunk)
         if chunk.error_code is not None:
             self.end(Outcome.of_error(chunk.error_code))
-            if chunk.error_code == ErrorCode.EXPIRED:
-                self._metrics.rejected(self.job.priority_class, DropReason.EXPIRED)
             raise from_worker(chunk.error_code, chunk.error_message)
         return chunk
+
+    def _took_first(self, chunk: Chunk) -> None:
+        """Note the first chunk (the TTFT, the queue wait; an expiry counts as a refusal)."""
+        self._note(chunk)
+        if chunk.error_code == ErrorCode.EXPIRED:
+            self._metrics.rejected(self.job.priority_class, DropReason.EXPIRED)
+        if self._trace is not None:
+            self._trace_first(chunk)
+
+    def _trace_first(self, chunk: Chunk) -> None:
+        """The queue wait (from the enqueue to the claim, which the worker measured on
+        Redis's clock as ``queue_ms`` after arrival) and the first chunk's event."""
+        assert self._trace is not None
+        now_ns = time.time_ns()
+        if self._enqueued_ns:
+            end_ns = now_ns
+            if chunk.worker_id:  # claimed: the claim, on this machine's clock
+                claimed_ms = self.job.arrival_ms + chunk.queue_ms - self._clock.offset_ms
+                end_ns = min(now_ns, max(self._enqueued_ns, int(claimed_ms * 1_000_000)))
+            self._trace.child(
+                "queue wait",
+                self._enqueued_ns,
+                end_ns,
+                {"charserve.queue_ms": chunk.queue_ms, "charserve.worker_id": chunk.worker_id},
+            )
+        self._trace.event(
+            "first token" if chunk.error_code is None else "error before first token",
+            {
+                "charserve.prefill_ms": chunk.prefill_ms,
+                "charserve.error_code": chunk.error_code or "",
+            },
+            now_ns,
+        )
 
     async def _first_in_time(self) -> Chunk:
         """The first chunk; or, when none has come by the job's deadline (plus a grace)
@@ -294,24 +373,56 @@ class ChatCall:
 
     def stream(
         self,
-        first: Chunk,
+        first: Chunk | None,
         fmt: ChunkFormatter,
         raw_send: Send | None,
         on_complete: OnComplete | None,
         headers: dict[str, str],
+        keepalive_s: float = 0.0,
     ) -> StreamingResponse:
-        """The SSE response; it owns the call from here on."""
-        body = self._events(first, fmt, raw_send, on_complete)
+        """The SSE response; it owns the call from here on. ``first`` None: the first
+        chunk is still on its way (:meth:`first` ran out of patience), and the response
+        sends a keep-alive comment now and every ``keepalive_s`` until it comes."""
+        body = self._events(first, fmt, raw_send, on_complete, keepalive_s)
         return _CallResponse(self, body, headers)
 
     async def _events(
         self,
-        first: Chunk,
+        first: Chunk | None,
         fmt: ChunkFormatter,
         raw_send: Send | None,
         on_complete: OnComplete | None,
+        keepalive_s: float,
     ) -> AsyncIterator[bytes]:
         parts: list[str] | None = [] if on_complete is not None else None
+        lead = b""
+        if first is None:
+            # The head goes out with the first keep-alive: from here on the status is 200,
+            # and an error before the first token is an error event, as one after it is.
+            waiting = self._waiting
+            assert waiting is not None
+            if self._trace is not None:
+                self._trace.event("keep-alives started")
+            try:
+                while True:
+                    yield KEEPALIVE
+                    done, _ = await asyncio.wait({waiting}, timeout=keepalive_s)
+                    if done:
+                        break
+                first = waiting.result()
+            except TimeoutError:
+                self.end(Outcome.TIMEOUT)
+                late = GatewayTimeout("no reply from any worker in time")
+                yield KEEPALIVE_END + error_event(late.body()) + DONE
+                return
+            except Exception as exc:  # what first() would have answered with a 500
+                log.exception("waiting for the first chunk failed", request_id=self.job.id)
+                self.end(Outcome.ERROR)
+                failed = APIError(f"the reply failed: {exc}")
+                yield KEEPALIVE_END + error_event(failed.body()) + DONE
+                return
+            self._took_first(first)
+            lead = KEEPALIVE_END
         try:
             chunk = first
             while True:
@@ -321,7 +432,11 @@ class ChatCall:
                     if on_complete is not None and parts is not None and not chunk.error_code:
                         await on_complete("".join(parts), chunk)
                     self.end(Outcome.of_error(chunk.error_code))
-                yield fmt.render(chunk)
+                if lead:
+                    yield lead + fmt.render(chunk)
+                    lead = b""
+                else:
+                    yield fmt.render(chunk)
                 if chunk.is_final:
                     return
                 if chunk is first:
@@ -375,6 +490,9 @@ class ChatCall:
         nothing to count, nothing to cancel."""
         self._ended = True
         self._inbox.release(self.job.id)
+        if self._trace is not None:
+            self._trace.set({"charserve.outcome": "attached"})
+            self._trace.end()
 
     def end(self, outcome: Outcome) -> None:
         """Record ``outcome``, release the reply stream, and cancel the job if its reply
@@ -383,6 +501,8 @@ class ChatCall:
             return
         self._ended = True
         self._inbox.release(self.job.id)
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.cancel()  # the client left while its first token was awaited
         finished = self._last is not None and self._last.is_final
         reason = _CANCEL_REASONS.get(outcome)
         if (
@@ -392,6 +512,8 @@ class ChatCall:
             and (outcome == Outcome.ERROR or not self._resumable)
         ):
             self._canceller.cancel(self.job.id, reason)
+        if self._trace is not None:
+            self._end_trace(outcome)
         if not self._timer.finish(outcome):
             return
         ttft = self._timer.ttft_s
@@ -411,6 +533,26 @@ class ChatCall:
             worker_id=first.worker_id if first else None,
             completion_tokens=last.completion_tokens if last else 0,
         )
+
+    def _end_trace(self, outcome: Outcome) -> None:
+        """End the request's span with what the summary log line says."""
+        assert self._trace is not None
+        if not self._trace.recording:  # not sampled, or ended with the error raised
+            return
+        first, last, ttft = self._first, self._last, self._timer.ttft_s
+        attributes: dict[str, str | float | int] = {
+            "charserve.outcome": outcome.value,
+            "gen_ai.usage.output_tokens": last.completion_tokens if last else 0,
+        }
+        if ttft is not None:
+            attributes["charserve.ttft_ms"] = round(ttft * 1000, 1)
+        if first is not None:
+            attributes["charserve.worker_id"] = first.worker_id
+        self._trace.set(attributes)
+        error = None
+        if outcome not in (Outcome.COMPLETED, Outcome.CANCELLED):
+            error = (last.error_message if last and last.error_code else None) or outcome.value
+        self._trace.end(error=error)
 
 
 class _CallResponse(StreamingResponse):

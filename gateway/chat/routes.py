@@ -88,7 +88,15 @@ def router() -> APIRouter:
         after = parse_last_event_id(request.headers.get("last-event-id"))
         limits = await s.auth.limits(caller)
         meta = await s.readers.begin(s.keys, job_id, caller, limits.max_streams)
-        events = replay(s.readers.redis, s.keys, job_id, meta, after, s.settings.request_timeout_s)
+        events = replay(
+            s.readers.redis,
+            s.keys,
+            job_id,
+            meta,
+            after,
+            s.settings.request_timeout_s,
+            keepalive_s=s.settings.sse_keepalive_s,
+        )
         return s.readers.response(caller, events, _SSE_HEADERS)
 
     @api.get("/v1/models", responses=MODELS_RESPONSES)

@@ -7,7 +7,11 @@ budget; then a :class:`~gateway.chat.call.ChatCall` takes the request over: it r
 the reply stream, enqueues the job, waits for the first chunk while watching for a client
 that leaves, and streams the reply as SSE or collects it into one JSON body. A client that
 goes away at any point cancels the job: dequeued if it waits, aborted in the engine if it
-runs.
+runs. A streamed request that waits longer than ``sse_keepalive_s`` gets its 200 and
+keep-alive comments until its first token (:mod:`gateway.chat.call`).
+
+With tracing on, each request is one span (a child of the client's ``traceparent``), with
+the admission under it; the call records the rest and ends it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import asyncio
 import hashlib
 import re
 import time
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +29,9 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.types import Send
 
+from cluster.runtime import tracing
 from cluster.runtime.settings import Settings
+from cluster.runtime.tracing import Trace, incoming_trace
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import Enqueued, JobQueue, Share
 from cluster.wire.tenants import Limits
@@ -46,6 +52,7 @@ from gateway.chat.prompts import ON_LOOP_CHARS, Prompt, PromptBuilder, prompt_ch
 from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.http.auth import Authenticator
 from gateway.http.errors import (
+    APIError,
     BadRequest,
     Conflict,
     GatewayTimeout,
@@ -129,9 +136,19 @@ class ChatService:
         self._inbox = inbox
         self._prompts = prompts
         self._canceller = Canceller(queue)
+        # None while tracing is off: then nothing below touches OpenTelemetry.
+        self._tracing = tracing.configure(settings.tracing, tracing.GATEWAY_SERVICE)
 
     async def complete(self, request: ChatCompletionRequest, ctx: ChatContext) -> Response:
         """Run one chat completion end to end: an SSE response, or one JSON body."""
+        trace = self._begin_trace("chat", request, ctx)
+        if trace is None:
+            return await self._complete(request, ctx, None)
+        return await _traced(trace, self._complete(request, ctx, trace))
+
+    async def _complete(
+        self, request: ChatCompletionRequest, ctx: ChatContext, trace: Trace | None
+    ) -> Response:
         self.check(request)
         if len(request.messages) > self._settings.max_messages:
             raise BadRequest(
@@ -142,17 +159,46 @@ class ChatService:
             )
         turn = await self._persona_turn(request, ctx.tenant)
         prompt = await self._build_prompt(request, turn)
-        return await self._serve(request, prompt, ctx, "chat", turn)
+        return await self._serve(request, prompt, ctx, "chat", turn, trace)
 
     async def complete_text(self, request: CompletionRequest, ctx: ChatContext) -> Response:
         """Run one text completion (``/v1/completions``) end to end, through the same
         admission, queue, relay, resume and tenancy as a chat."""
+        trace = self._begin_trace("text_completion", request, ctx)
+        if trace is None:
+            return await self._complete_text(request, ctx, None)
+        return await _traced(trace, self._complete_text(request, ctx, trace))
+
+    async def _complete_text(
+        self, request: CompletionRequest, ctx: ChatContext, trace: Trace | None
+    ) -> Response:
         self.check(request)
         if isinstance(request.prompt, str) and len(request.prompt) > ON_LOOP_CHARS:
             prompt = await asyncio.to_thread(self._prompts.build_text, request)
         else:
             prompt = self._prompts.build_text(request)
-        return await self._serve(request, prompt, ctx, "text", None)
+        return await self._serve(request, prompt, ctx, "text", None, trace)
+
+    def _begin_trace(
+        self, operation: str, request: SamplingRequest, ctx: ChatContext
+    ) -> Trace | None:
+        """The request's span (None while tracing is off), a child of the client's
+        trace headers when it sent them."""
+        if self._tracing is None:
+            return None
+        return self._tracing.start(
+            operation,
+            parent=incoming_trace.get(),
+            kind="server",
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": request.model,
+                "charserve.request_id": ctx.request_id,
+                "charserve.tenant": ctx.tenant,
+                "charserve.priority": ctx.admission.priority_class,
+                "charserve.stream": request.stream,
+            },
+        )
 
     async def _serve(
         self,
@@ -161,8 +207,10 @@ class ChatService:
         ctx: ChatContext,
         kind: ReplyKind,
         turn: PersonaTurn | None,
+        trace: Trace | None = None,
     ) -> Response:
         """Charge, admit, enqueue and relay one request's reply, as ``kind`` frames it."""
+        admitting_ns = time.time_ns() if trace is not None else 0
         rate = await self._charge(
             ctx.tenant, len(prompt.token_ids) + prompt.max_tokens, ctx.admission.priority_class
         )
@@ -178,10 +226,19 @@ class ChatService:
             priority_class=ctx.admission.priority_class,
             tenant=ctx.tenant,
             resumable=ctx.resumable,
+            traceparent=trace.traceparent if trace is not None else "",
         )
         limits = await self._limits(ctx.tenant)
         self._within_limits(job, limits)
         await self._admit(job, limits.max_running)
+        if trace is not None:
+            trace.set(
+                {
+                    "gen_ai.usage.input_tokens": len(job.prompt_token_ids),
+                    "gen_ai.request.max_tokens": job.max_tokens,
+                }
+            )
+            trace.child("admission", admitting_ns)
         meta = RequestMeta(
             ctx.tenant,
             f"{COMPLETION_ID_PREFIX[kind]}{job.id}",
@@ -202,6 +259,7 @@ class ChatService:
             timeout_s=self._settings.request_timeout_s,
             clock=self._admitter.clock,
             user=request.user,
+            trace=trace,
         )
         idempotency = None
         if ctx.client_request_id is not None:
@@ -221,7 +279,8 @@ class ChatService:
             if enqueued.status != "queued":
                 call.forget()
                 return await self._attach(request, ctx, enqueued, rate)
-            first = await call.first(ctx.receive)
+            keepalive_s = self._settings.sse_keepalive_s if request.stream else 0.0
+            first = await call.first(ctx.receive, keepalive_s or None)
             if request.stream:
                 fmt = ChunkFormatter(
                     meta.completion_id,
@@ -233,12 +292,15 @@ class ChatService:
                     kind=kind,
                 )
                 on_complete = self._recorder(turn) if turn else None
-                return call.stream(first, fmt, ctx.raw_send, on_complete, rate)
+                return call.stream(first, fmt, ctx.raw_send, on_complete, rate, keepalive_s)
+            assert first is not None  # first() without patience always has the chunk
             text, final = await call.collect(first, ctx.receive)
         except ClientGone:
             call.end(Outcome.CANCELLED)
             return Response(status_code=499)
         except BaseException as exc:
+            if trace is not None:
+                _trace_error(trace, exc, end=False)  # the call's end ends the span
             call.end(Outcome.TIMEOUT if isinstance(exc, GatewayTimeout) else Outcome.ERROR)
             raise
         if turn is not None:
@@ -266,7 +328,8 @@ class ChatService:
         limits = await self._limits(ctx.tenant)
         meta = await readers.begin(self._keys, job_id, ctx.tenant, limits.max_streams)
         if request.stream:
-            events = replay(readers.redis, self._keys, job_id, meta, 0, timeout_s)
+            keepalive_s = self._settings.sse_keepalive_s
+            events = replay(readers.redis, self._keys, job_id, meta, 0, timeout_s, keepalive_s)
             return readers.response(ctx.tenant, events, {**SSE_HEADERS, **headers})
         try:
             text, final = await race_disconnect(
@@ -409,3 +472,36 @@ class ChatService:
             await self._persona.completed(turn, text, final.worker_id)
         except RedisError as exc:
             log.warning("could not record the turn", session_id=turn.session_id, error=str(exc))
+
+
+async def _traced(trace: Trace, work: Awaitable[Response]) -> Response:
+    """Await ``work``, the request that ``trace`` spans; an error it raises before its call
+    ended the span ends it, as the error the client gets."""
+    try:
+        return await work
+    except BaseException as exc:
+        _trace_error(trace, exc, end=True)
+        raise
+
+
+def _trace_error(trace: Trace, exc: BaseException, *, end: bool) -> None:
+    """Record on the request's span (unless it ended) the error the client gets; with
+    ``end``, end the span with it."""
+    if not trace.recording:
+        return
+    if isinstance(exc, APIError):
+        trace.set(
+            {
+                "http.response.status_code": exc.status,
+                "error.type": exc.code or exc.type,
+                "charserve.error": exc.message,
+            }
+        )
+        message = exc.message
+    elif isinstance(exc, Exception):
+        trace.exception(exc)
+        message = f"{type(exc).__name__}: {exc}"
+    else:
+        message = type(exc).__name__  # cancelled: the request was abandoned
+    if end:
+        trace.end(error=message)

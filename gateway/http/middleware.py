@@ -3,7 +3,9 @@
 One pure-ASGI middleware does all three, so streaming responses pay one wrapper on the
 send path, not three. ``/v1`` routes need a key as soon as one exists (see
 :mod:`gateway.http.auth`); ``/health``, ``/ready``, ``/metrics`` and the docs do not.
-The tenant a key names is put in ``scope["state"]["tenant"]`` for the routes.
+The tenant a key names is put in ``scope["state"]["tenant"]`` for the routes. While
+tracing is on, a request's W3C trace headers (``traceparent``, ``tracestate``) are put in
+:data:`~cluster.runtime.tracing.incoming_trace` for the request's span to continue.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import structlog
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cluster.runtime.tracing import incoming_trace
 from gateway.http.auth import Authenticator, needs_key
 from gateway.http.context import new_request_id
 from gateway.http.errors import (
@@ -30,11 +33,13 @@ _ALLOWED_ID = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 
 
 class EdgeMiddleware:
-    """Request ids, the body bound, and API keys, before any route runs."""
+    """Request ids, the body bound, and API keys, before any route runs (and the client's
+    trace context, with ``trace_context``)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, trace_context: bool = False) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.trace_context = trace_context
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -82,7 +87,19 @@ class EdgeMiddleware:
             )
             await _refuse(error, request_id, scope, receive, send_with_id)
             return
-        await self.app(scope, receive, send_with_id)
+        parent = headers.get(b"traceparent") if self.trace_context else None
+        if parent is None:
+            await self.app(scope, receive, send_with_id)
+            return
+        carrier = {"traceparent": parent.decode("latin-1")}
+        state_header = headers.get(b"tracestate")
+        if state_header is not None:
+            carrier["tracestate"] = state_header.decode("latin-1")
+        token = incoming_trace.set(carrier)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            incoming_trace.reset(token)
 
     async def _bounded(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
         """413 for a body over the bound. A declared length is checked at once; a chunked

@@ -4,12 +4,15 @@ Every SSE event of a reply carries ``id: <seq>``. A client that lost its connect
 was cut off for reading too slowly) asks for the events after the last id it saw; they are
 replayed from the request's log and the stream continues live by blocking reads on that
 same log, so it works from any gateway process, not only the one that took the request.
-Only the tenant that made the request may read it; anyone else gets a 404.
+Only the tenant that made the request may read it; anyone else gets a 404. A replay asked
+for keep-alives sends an SSE comment whenever the log has been quiet that long (a reply
+still waiting in the queue), as a live stream does before its first token.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -26,6 +29,8 @@ from cluster.wire.vocabulary import DropReason
 from gateway.http.errors import BadRequest, GatewayTimeout, NotFound, refused
 from gateway.streaming.sse import (
     DONE,
+    KEEPALIVE,
+    KEEPALIVE_END,
     ChunkFormatter,
     ReplyKind,
     completion_body,
@@ -90,6 +95,15 @@ async def follow(
     """Every chunk of a reply after ``after_seq``, from its log, then live as the worker
     appends them, until the final one. ``TimeoutError`` when nothing arrives for
     ``idle_timeout_s``."""
+    async for chunk in _follow(redis, keys, request_id, after_seq, idle_timeout_s):
+        if chunk is not None:
+            yield chunk
+
+
+async def _follow(
+    redis: aioredis.Redis, keys: Keys, request_id: str, after_seq: int, idle_timeout_s: float
+) -> AsyncIterator[Chunk | None]:
+    """:func:`follow`, and None after each blocking read that brought nothing."""
     reply_log_key = keys.reply_log(request_id)
     cursor = "0-0"
     idle_ms = 0.0
@@ -100,6 +114,7 @@ async def follow(
             idle_ms += block_ms
             if idle_ms >= idle_timeout_s * 1000:
                 raise TimeoutError("the reply stopped arriving")
+            yield None
             continue
         idle_ms = 0.0
         for entry_id, fields in answer[0][1]:
@@ -119,8 +134,10 @@ async def replay(
     meta: RequestMeta,
     after_seq: int,
     idle_timeout_s: float,
+    keepalive_s: float = 0.0,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes for every chunk after ``after_seq``, from the log, then live."""
+    """SSE bytes for every chunk after ``after_seq``, from the log, then live; with
+    ``keepalive_s``, a keep-alive comment whenever nothing was sent for that long."""
     fmt = ChunkFormatter(
         meta.completion_id,
         meta.model,
@@ -131,12 +148,19 @@ async def replay(
         continuous_usage=meta.continuous_usage,
         kind=meta.kind,
     )
+    lead = b""  # after keep-alives, KEEPALIVE_END goes with the next event (see sse.py)
+    sent_s = time.monotonic()
     try:
-        async for chunk in follow(redis, keys, request_id, after_seq, idle_timeout_s):
-            yield fmt.render(chunk)
+        async for chunk in _follow(redis, keys, request_id, after_seq, idle_timeout_s):
+            if chunk is None:
+                if keepalive_s and time.monotonic() - sent_s >= keepalive_s:
+                    yield KEEPALIVE
+                    lead, sent_s = KEEPALIVE_END, time.monotonic()
+                continue
+            yield lead + fmt.render(chunk) if lead else fmt.render(chunk)
+            lead, sent_s = b"", time.monotonic()
     except TimeoutError:
-        yield error_event(GatewayTimeout("the reply stopped arriving").body())
-        yield DONE
+        yield lead + error_event(GatewayTimeout("the reply stopped arriving").body()) + DONE
 
 
 async def collect(

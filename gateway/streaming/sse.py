@@ -7,7 +7,8 @@ and the stream ends with ``data: [DONE]``. OpenAI sends no ``id:`` lines, and cl
 parse SSE by hand (vLLM's own benchmark client among them) split on blank lines and strip a
 leading ``data: ``, so an event carries ``id: <seq>`` (the worker chunk it came from, for
 resuming with ``Last-Event-ID``) only when the formatter is asked for event ids: for a
-resumable request, one that asks for them, and the resume endpoint.
+resumable request, one that asks for them, and the resume endpoint. A request that waits
+long for its first token gets comment lines meanwhile (:data:`KEEPALIVE`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from cluster.wire.protocol import Chunk
 from gateway.http.errors import from_worker
 
 DONE = b"data: [DONE]\n\n"
+# Sent while a streamed request waits for its first token, so that no idle timeout (a load
+# balancer's, a proxy's) cuts the connection: an SSE comment, which SSE parsers skip.
+KEEPALIVE = b": keep-alive\n\n"
+# Written in front of the first event after keep-alives: an empty comment. vLLM's benchmark
+# client strips each read's trailing newlines before buffering it, so a keep-alive that
+# arrived alone stays in its buffer without its blank line and would swallow the next event
+# ("...keep-alivedata: {...}"); the blank line of this comment, in the same read as that
+# event, ends the keep-alive there.
+KEEPALIVE_END = b":\n\n"
 
 # What a reply is framed as: a chat completion, or a text completion (/v1/completions).
 ReplyKind = Literal["chat", "text"]

@@ -5,7 +5,8 @@ versions and tags they share with the rest of the repository.
   (never ``latest``); every variable Docker or a RUN's shell expands declared (ARG or ENV)
   in the scope that uses it; every COPY source present in the repository and not left out
   of the build context by ``.dockerignore``; every package setuptools installs copied.
-- The gateway image installs no extra, so neither torch nor vLLM; the worker image installs
+- The gateway image installs no extra but ``tracing`` (OpenTelemetry's SDK and OTLP
+  exporter), so neither torch nor vLLM; the worker image installs
   the gpu extra; both resolve the base dependencies against ``constraints.txt``.
 - One version of each thing: RAY_VERSION's default is ``rayVersion`` in
   ``ray-configs/rayservice.yaml`` and Ray's pin in ``constraints.txt``; CHARSERVE_VERSION's
@@ -368,13 +369,20 @@ def test_the_build_context_leaves_out_what_no_image_needs() -> None:
         assert not _excluded(path), path
 
 
+GATEWAY_EXTRAS = {"tracing"}
+
+
 def test_the_gateway_image_installs_neither_torch_nor_vllm() -> None:
     installs = _pip_installs(GATEWAY)
     assert installs
     for words in installs:
         for requirement in _requirements(words):
-            assert "[" not in requirement, f"the gateway installs an extra: {requirement}"
+            named = re.search(r"\[(.*)\]", requirement)
+            extras = set(named.group(1).split(",")) if named else set()
+            assert extras <= GATEWAY_EXTRAS, f"the gateway installs an extra: {requirement}"
         assert not re.search(r"torch|vllm", " ".join(words), re.IGNORECASE), words
+    tracing = " ".join(_pyproject()["project"]["optional-dependencies"]["tracing"])
+    assert not re.search(r"torch|vllm", tracing, re.IGNORECASE)
     # pyproject's own base dependencies name neither (a dependency of theirs pulling one in
     # fails the image's build: see its find_spec check).
     base = " ".join(_pyproject()["project"]["dependencies"])
@@ -398,7 +406,7 @@ def test_the_worker_image_installs_the_gpu_extra_and_cuda_vllm() -> None:
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_the_base_dependencies_resolve_at_the_tested_versions(path: Path) -> None:
     first = _pip_installs(path)[0]  # the one that resolves the base dependencies
-    assert _requirements(first) == ["."]
+    assert [r.split("[")[0] for r in _requirements(first)] == ["."]
     assert _constraints_file(first) == "constraints.txt"
 
 

@@ -71,7 +71,7 @@ def gateway_settings(redis_url: str, model_path: str, **overrides: object) -> Se
         "model": model_path,
         "port": free_port(),
         "max_model_len": 512,
-        "heartbeat_ms": 200,
+        "heartbeat_ms": 1000,  # alive for 3 s: a loaded machine may delay a beat
         "log_format": "console",
     }
     values.update(overrides)

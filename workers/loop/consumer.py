@@ -6,11 +6,18 @@ deadlines are. If a replica pulled more than it can batch, vLLM's own waiting qu
 would hold work that another, idle replica could have started. The loop wakes within a
 round trip of an enqueue (``BLPOP`` on the wake list), and the moment a slot frees it
 claims again, so continuous batching stays full.
+
+With tracing on (``CHARSERVE_TRACING`` in the replica's environment) a job that carries a
+``traceparent`` runs in a span of its own, a child of its gateway's span: from the claim
+to the ack, with the prefill (claim to first token) under it and the first publish and
+the end of generation as events. The engine is handed that span's ``traceparent``, for
+its own spans to nest under it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import os
@@ -22,9 +29,11 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from cluster.runtime import tracing
 from cluster.runtime.clock import RedisClock
 from cluster.runtime.prometheus import run_worker_exporter
 from cluster.runtime.redis_client import connect
+from cluster.runtime.tracing import Trace, Tracing
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Cancel, Job, WorkerStats
@@ -65,8 +74,11 @@ class Consumer:
         config: ConsumerConfig,
         worker_id: str | None = None,
         clock: RedisClock | None = None,
+        traces: Tracing | None = None,
     ) -> None:
         self.worker_id = worker_id or new_worker_id()
+        # None: as CHARSERVE_TRACING says, read at start() (off when unset).
+        self._tracing = traces
         # Deadlines and heartbeats are judged on Redis's clock, never this machine's.
         self._clock = clock or RedisClock()
         self._url = redis_url
@@ -120,6 +132,8 @@ class Consumer:
 
     async def start(self) -> None:
         """Connect, announce this worker, and start claiming."""
+        if self._tracing is None:
+            self._tracing = tracing.from_environment(tracing.WORKER_SERVICE)
         self._redis = connect(self._url)
         self._blocking = connect(self._url, blocking=True)
         self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
@@ -199,6 +213,9 @@ class Consumer:
                     await asyncio.wait_for(client.aclose(), 5)
                 except TimeoutError:
                     log.warning("a Redis client did not close in time")
+        if self._tracing is not None:
+            # Spans of the last jobs are exported now, not at exit (a replica may be killed).
+            await asyncio.to_thread(self._tracing.flush)
         log.info("consumer stopped", worker_id=self.worker_id)
 
     # -- claiming -------------------------------------------------------------------
@@ -261,6 +278,11 @@ class Consumer:
             queue_ms=float(claimed_ms - job.arrival_ms),
             completion_tokens=len(job.resume_token_ids),
         )
+        engine_job = job
+        if self._tracing is not None and job.traceparent:
+            stream.trace = self._trace_job(self._tracing, job, stream.queue_ms)
+            # vLLM's own spans (when its tracing is on) nest under this worker's.
+            engine_job = dataclasses.replace(job, traceparent=stream.trace.traceparent)
         started_s = time.perf_counter()
         handed_back = False
         outcome = "completed"
@@ -274,7 +296,7 @@ class Consumer:
                 )
             await run_generation(
                 self._engine,
-                job,
+                engine_job,
                 engine_priority(job),
                 functools.partial(self._on_output, stream, started_s),
             )
@@ -307,6 +329,15 @@ class Consumer:
             self._batch_running.discard(job.id)
             self._note_demand()
             self._slot_freed.set()
+        if stream.trace is not None:
+            stream.trace.event(
+                "generation end",
+                {
+                    "charserve.outcome": outcome,
+                    "charserve.finish_reason": stream.finish_reason or "",
+                    "gen_ai.usage.output_tokens": stream.completion_tokens,
+                },
+            )
         try:
             if outcome == "lease_lost":
                 self._lease_lost.discard(job.id)
@@ -331,7 +362,28 @@ class Consumer:
             prompt_tokens=len(job.prompt_token_ids),
             completion_tokens=stream.completion_tokens,
         )
+        if stream.trace is not None:
+            # Cancelled, handed back or taken over are not failures of this job's reply.
+            failed = outcome not in ("completed", "cancelled", "handed_back", "lease_lost")
+            stream.trace.end(error=(stream.error_message or outcome) if failed else None)
         structlog.contextvars.unbind_contextvars("request_id", "tenant")
+
+    def _trace_job(self, traces: Tracing, job: Job, queue_ms: float) -> Trace:
+        """The job's span on this worker, a child of its gateway's (``job.traceparent``)."""
+        return traces.start(
+            "job",
+            parent=job.traceparent,
+            kind="consumer",
+            attributes={
+                "charserve.request_id": job.id,
+                "charserve.worker_id": self.worker_id,
+                "charserve.priority": job.priority_class,
+                "charserve.attempt": job.attempt,
+                "charserve.queue_ms": queue_ms,
+                "gen_ai.usage.input_tokens": len(job.prompt_token_ids),
+                "gen_ai.request.max_tokens": job.max_tokens,
+            },
+        )
 
     def _on_output(self, stream: RequestStream, started_s: float, out: EngineOutput) -> None:
         """Take one engine output of ``stream``'s job: called once per step and request,
@@ -344,6 +396,14 @@ class Consumer:
                 # (multi-turn backfills) must not make it look infeasible.
                 uncached = len(stream.job.prompt_token_ids) - out.cached_tokens
                 self._note_prefill(stream.prefill_ms, uncached)
+            if stream.trace is not None:
+                now_ns = time.time_ns()
+                stream.trace.child(
+                    "prefill",
+                    now_ns - int(stream.prefill_ms * 1_000_000),
+                    now_ns,
+                    {"gen_ai.usage.cached_tokens": out.cached_tokens},
+                )
         stream.add(out)
         self._tokens_since_beat += len(out.token_ids)
         self._publisher.mark(stream)

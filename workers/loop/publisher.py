@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from cluster.runtime.tracing import Trace
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import ChunkEncoder, Job
 from cluster.wire.replylog import REPLY_FIELD, REPLY_LOG_MAXLEN, REPLY_LOG_TTL_S
@@ -147,6 +148,8 @@ class RequestStream:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # The log's key, encoded once (set by the publisher on the first chunk).
     reply_log_key: bytes = b""
+    # The job's span on this worker while tracing is on (cluster.runtime.tracing).
+    trace: Trace | None = None
 
     @property
     def finished(self) -> bool:
@@ -340,6 +343,9 @@ class Publisher:
         for out in batch[:written]:
             if out.final:
                 out.stream.done.set()
+            if out.first and out.stream.trace is not None:
+                # When the first chunk reached Redis (and its gateway, a publish later).
+                out.stream.trace.event("first chunk published")
         if error is not None:
             # Keep the chunks not yet written, in order, and try again: nothing is dropped,
             # and the parts already logged are not logged twice.
