@@ -8,7 +8,8 @@ server in the same run, alternating rounds (A, B, A, B, ...) so both see the sam
 conditions, and prints the ratios of the first URL's figures over the second's.
 
 Requests ask for exactly ``--max-tokens`` tokens (``ignore_eos``), so both servers do the
-same work.
+same work. ``--extra-body JSON`` adds fields to every request's body (e.g. the roleplay
+samplers' ``{"dry_multiplier": 0.8}``, to measure what they cost).
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ async def run_round(
     headers: dict[str, str] | None = None,
     client: str = "httpx",
     ramp_s: float = 0.0,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[Sample], float]:
     """One round: ``requests`` requests closed-loop at ``concurrency``, or open-loop at
-    ``rate`` per second. Returns the samples and the round's wall time.
+    ``rate`` per second (``extra``: fields added to every body). Returns the samples and
+    the round's wall time.
 
     ``client="lean"`` uses :class:`cluster.bench.lean_client.LeanClient` instead of httpx (same
     measurements, far less CPU). ``ramp_s`` starts the closed-loop workers evenly over
@@ -129,7 +132,7 @@ async def run_round(
     prompts = [rng.choice(USER_PROMPTS) for _ in range(requests)]
     if client == "lean":
         return await _lean_round(
-            url, model, prompts, concurrency, rate, max_tokens, rng, headers or {}, ramp_s
+            url, model, prompts, concurrency, rate, max_tokens, rng, headers or {}, ramp_s, extra
         )
     limits = httpx.Limits(
         max_connections=max(concurrency, 64), max_keepalive_connections=max(concurrency, 64)
@@ -137,7 +140,7 @@ async def run_round(
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
 
         def send(prompt: str) -> Awaitable[Sample]:
-            return one_request(http, url, model, max_tokens, prompt, headers)
+            return one_request(http, url, model, max_tokens, prompt, headers, extra=extra)
 
         return await drive(send, prompts, concurrency, rate, rng, ramp_s)
 
@@ -198,12 +201,15 @@ async def _lean_round(
     rng: random.Random,
     headers: dict[str, str],
     ramp_s: float,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[Sample], float]:
     from cluster.bench.lean_client import LeanClient
 
     lean = LeanClient(url)
     encoded = {
-        p: lean.request_bytes("/v1/chat/completions", request_body(model, max_tokens, p), headers)
+        p: lean.request_bytes(
+            "/v1/chat/completions", {**request_body(model, max_tokens, p), **(extra or {})}, headers
+        )
         for p in set(prompts)
     }
     try:
@@ -320,6 +326,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [args.base_url] + ([args.compare] if args.compare else [])
     headers = dict(h.split(":", 1) for h in args.header)
     headers = {k.strip(): v.strip() for k, v in headers.items()}
+    extra = extra_body(getattr(args, "extra_body", None))
     for url in targets:  # warm-up, not measured
         if args.warmup:
             await run_round(
@@ -332,6 +339,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 0,
                 headers,
                 client=args.client,
+                extra=extra,
             )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
     client_cpu_s = dict.fromkeys(targets, 0.0)
@@ -349,6 +357,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 headers=headers,
                 client=args.client,
                 ramp_s=args.ramp_s,
+                extra=extra,
             )
             before, total = collected[url]
             collected[url] = (before + samples, total + wall)
@@ -365,6 +374,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "client": args.client,
             "procs": args.procs,
             "ramp_s": args.ramp_s,
+            "extra_body": extra,
         },
         "targets": {
             u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_s[u])
@@ -379,6 +389,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             k: round(a[k] / b[k], 3) for k in a if k.endswith(("_ms", "_per_s")) and b.get(k)
         }
     return result
+
+
+def extra_body(text: str | None) -> dict[str, Any]:
+    """``--extra-body``: a JSON object whose fields every request's body gets."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"--extra-body is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise SystemExit("--extra-body must be a JSON object")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -413,6 +436,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="closed loop: start the workers evenly over this many seconds",
+    )
+    parser.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="fields added to every request's body, e.g. '{\"dry_multiplier\": 0.8}'",
     )
 
 

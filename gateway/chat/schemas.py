@@ -11,10 +11,11 @@ The response shapes, for the OpenAPI document, are in :mod:`gateway.chat.respons
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from cluster.wire.protocol import SAMPLING_FIELDS
@@ -30,6 +31,18 @@ MAX_ALLOWED_TOKEN_IDS = 10_000
 # OpenAI's bounds on the alternatives per token (chat, and the legacy completions API).
 MAX_TOP_LOGPROBS = 20
 MAX_TEXT_LOGPROBS = 5
+# The roleplay samplers (docs/api.md#roleplay-samplers): the engine core checks every banned
+# string's token sequences at every step, and a worker turns each breaker and banned string
+# into token ids before the job runs.
+MAX_SEQUENCE_BREAKERS = 16
+MAX_BREAKER_CHARS = 32
+MAX_BREAKERS_TEXT = 1024  # text-generation-webui's form: the breakers as one string
+MAX_BANNED_STRINGS = 64
+MAX_BANNED_CHARS = 256
+# DRY counts a match up to 50 tokens (workers.engines.samplers.DRY_MAX_MATCH): a longer
+# allowed length could never be reached, and the field would ask for nothing.
+MAX_DRY_ALLOWED_LENGTH = 50
+MAX_XTC_THRESHOLD = 0.5  # above it no two tokens can both pass: XTC would never act
 
 
 # OpenAI and vLLM chat fields this server does not serve, and why: a request that sets one
@@ -295,6 +308,59 @@ class SamplingRequest(BaseModel):
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         default=None, max_length=MAX_BAD_WORDS
     )
+    # The roleplay samplers (docs/api.md#roleplay-samplers): vLLM logits processors on the
+    # workers (workers/engines/samplers.py).
+    dry_multiplier: float | None = Field(
+        default=None,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="DRY's strength; DRY is on when above 0.",
+    )
+    dry_base: float | None = Field(
+        default=None, gt=1.0, allow_inf_nan=False, description="DRY's growth base (1.75)."
+    )
+    dry_allowed_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_DRY_ALLOWED_LENGTH,
+        description="Longest repeat DRY leaves unpenalized (2).",
+    )
+    dry_penalty_last_n: int | None = Field(
+        default=None,
+        ge=-1,
+        description="Tokens of context DRY scans; 0 or -1: all of it (0).",
+    )
+    # A list; or, as text-generation-webui takes it, one string (made a list before the
+    # list is checked).
+    dry_sequence_breakers: (
+        list[Annotated[str, Field(min_length=1, max_length=MAX_BREAKER_CHARS)]] | None
+    ) = Field(
+        default=None,
+        max_length=MAX_SEQUENCE_BREAKERS,
+        description='Strings that stop DRY\'s matching (["\\n", ":", "\\"", "*"]); a list, '
+        "or text-generation-webui's one string of comma-separated JSON strings.",
+    )
+    xtc_threshold: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=MAX_XTC_THRESHOLD,
+        description="XTC: tokens at least this likely are top choices (0.1).",
+    )
+    xtc_probability: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="XTC: the chance, per token, that it removes top choices; on above 0.",
+    )
+    # A list, or one string (made a list before the list is checked).
+    banned_strings: (
+        list[Annotated[str, Field(min_length=1, max_length=MAX_BANNED_CHARS)]] | None
+    ) = Field(
+        default=None,
+        max_length=MAX_BANNED_STRINGS,
+        description="Strings whose token sequences are never emitted (exact at token "
+        "level); a list, or one string.",
+    )
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names (at most one constraint in all).
     response_format: ResponseFormat | None = None
@@ -311,6 +377,18 @@ class SamplingRequest(BaseModel):
     def _fields(cls, data: Any) -> Any:
         """400 naming a refused or unknown field, before anything else is checked."""
         return _refuse_fields(data, set(cls.model_fields), REFUSED_FIELDS)
+
+    @field_validator("dry_sequence_breakers", mode="before")
+    @classmethod
+    def _breakers_as_list(cls, value: Any) -> Any:
+        """text-generation-webui's form (one string) as a list, checked as a list is."""
+        return _webui_breakers(value) if isinstance(value, str) else value
+
+    @field_validator("banned_strings", mode="before")
+    @classmethod
+    def _banned_as_list(cls, value: Any) -> Any:
+        """One string as a list of one, checked as a list is."""
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _carriable(self) -> SamplingRequest:
@@ -519,6 +597,27 @@ class CompletionRequest(SamplingRequest):
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+
+def _webui_breakers(text: str) -> list[Any]:
+    """``dry_sequence_breakers`` as text-generation-webui (and TabbyAPI) take it, one
+    string: JSON strings separated by commas (``"\\n", ":", "\\"", "*"``), brackets
+    optional. The list it holds is then checked as a list sent as one is."""
+    text = text.strip()
+    parsed: Any = None
+    if len(text) <= MAX_BREAKERS_TEXT:
+        try:
+            parsed = json.loads(text if text.startswith("[") else f"[{text}]")
+        except ValueError:
+            pass
+    if not isinstance(parsed, list):
+        raise PydanticCustomError(
+            "invalid_value",
+            f"as one string (at most {MAX_BREAKERS_TEXT} characters), dry_sequence_breakers "
+            'holds JSON strings separated by commas, as text-generation-webui takes it ("\\n", '
+            '":"); or send a list of strings',
+        )
+    return parsed
 
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries

@@ -25,6 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # How EngineConfig.batch_prefill_tokens reaches the scheduler in vLLM's engine core process.
 BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
 
+# The roleplay samplers (DRY, XTC, banned strings: workers/engines/samplers.py), as vLLM's
+# ``logits_processors`` engine argument takes them (``module:Class``), in the order vLLM
+# applies them. Names only: this module does not import vLLM or torch.
+SAMPLER_PROCESSORS = (
+    "workers.engines.samplers:BannedStringsLogitsProcessor",
+    "workers.engines.samplers:DryLogitsProcessor",
+    "workers.engines.samplers:XtcLogitsProcessor",
+)
+
 # Typed EngineConfig fields that are vLLM EngineArgs keywords of the same name.
 _TYPED_ENGINE_ARGS = (
     "model",
@@ -305,13 +314,27 @@ class EngineConfig(BaseModel):
             return "ray"
         return None
 
+    def runs_samplers(self) -> bool:
+        """Whether the engine can run the roleplay samplers' logits processors.
+
+        They implement vLLM's V1 logits-processor interface, which vLLM 0.32 loads for its
+        V1 model runner only: the CPU build always runs that one (it has no Triton), but on
+        CUDA vLLM 0.32 runs Model Runner V2 by default, whose loader refuses V1 processors
+        at the engine's start (vllm/v1/worker/gpu/sample/logits_processor/loader.py).
+        Nor does vLLM run custom logits processors beside speculative decoding: it refuses
+        to start (vllm/v1/sample/logits_processor/__init__.py, build_logitsprocs).
+        """
+        return self.device == "cpu" and not self.engine_args.get("speculative_config")
+
     def engine_kwargs(
-        self, model_path: str, *, charserve_scheduler: bool = False
+        self, model_path: str, *, charserve_scheduler: bool = False, samplers: bool = False
     ) -> dict[str, Any]:
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``.
 
-        ``charserve_scheduler`` adds the latency-first scheduler (if enabled): the workers
-        ask for it; references that stand for bare vLLM do not. ``engine_args`` come
+        ``charserve_scheduler`` adds the latency-first scheduler (if enabled) and
+        ``samplers`` the roleplay samplers' logits processors (where :meth:`runs_samplers`,
+        after any ``logits_processors`` of ``engine_args``): the workers ask for both;
+        references that stand for bare vLLM do not. ``engine_args`` come
         first (the validator keeps them apart from the typed fields), as a deep copy:
         vLLM writes into the dicts it is given (the target model into
         ``speculative_config``).
@@ -336,6 +359,9 @@ class EngineConfig(BaseModel):
             # One hook for both paths: it picks vLLM's synchronous or asynchronous
             # scheduler as vLLM resolved it (synchronous on the CPU).
             kwargs["scheduler_cls"] = "workers.engines.scheduler.latency_first_scheduler"
+        if samplers and self.runs_samplers():
+            own = [p for p in kwargs.get("logits_processors") or [] if p not in SAMPLER_PROCESSORS]
+            kwargs["logits_processors"] = [*own, *SAMPLER_PROCESSORS]
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         backend = self.executor_backend()

@@ -7,23 +7,38 @@ tokenisation; vLLM still detokenises incrementally and hands back text deltas.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from cluster.wire.protocol import SAMPLING_FIELDS, Job
+from cluster.wire.protocol import ROLEPLAY_SAMPLING_FIELDS, SAMPLING_FIELDS, Job
 from workers.engines.base import EngineOutput
 from workers.engines.config import EngineConfig
 from workers.errors import InvalidJobError
+
+if TYPE_CHECKING:
+    from workers.engines.samplers import SamplerTokens
 
 log = structlog.get_logger(__name__)
 
 
 def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
-    """The subset of a job's sampling fields that vLLM's ``SamplingParams`` accepts."""
-    return {k: v for k, v in sampling.items() if k in SAMPLING_FIELDS and v is not None}
+    """The subset of a job's sampling fields that vLLM's ``SamplingParams`` accepts (the
+    roleplay samplers' fields are :func:`roleplay_fields`)."""
+    return {
+        k: v
+        for k, v in sampling.items()
+        if k in SAMPLING_FIELDS and k not in ROLEPLAY_SAMPLING_FIELDS and v is not None
+    }
+
+
+def roleplay_fields(sampling: dict[str, Any]) -> dict[str, Any]:
+    """A job's DRY, XTC and banned-strings fields, for the logits processors of
+    :mod:`workers.engines.samplers` (through ``SamplingParams.extra_args``)."""
+    return {k: v for k, v in sampling.items() if k in ROLEPLAY_SAMPLING_FIELDS and v is not None}
 
 
 def _replica_placement_group() -> Any:
@@ -49,7 +64,9 @@ class VllmEngine:
 
         started = time.monotonic()
         self._config = config
-        engine_args = AsyncEngineArgs(**config.engine_kwargs(model_path, charserve_scheduler=True))
+        engine_args = AsyncEngineArgs(
+            **config.engine_kwargs(model_path, charserve_scheduler=True, samplers=True)
+        )
         if config.executor_backend() == "ray":
             # vLLM's engine core runs in a child process, outside the replica's placement
             # group: hand the group over explicitly, or vLLM would ask Ray for a second
@@ -63,6 +80,13 @@ class VllmEngine:
             )
         else:
             self._llm = AsyncLLM.from_engine_args(engine_args)
+        # The roleplay samplers' strings become token ids here, in the replica, never in
+        # the engine core's step loop (None: the processors are not registered).
+        self._sampler_tokens: SamplerTokens | None = None
+        if config.runs_samplers():
+            from workers.engines.samplers import SamplerTokens
+
+            self._sampler_tokens = SamplerTokens(self._llm.get_tokenizer())
         log.info(
             "engine started",
             model=model_path,
@@ -103,6 +127,9 @@ class VllmEngine:
                 from vllm.sampling_params import StructuredOutputsParams
 
                 kwargs["structured_outputs"] = StructuredOutputsParams(**constraint)
+            extra_args = await self._roleplay_args(roleplay_fields(job.sampling))
+            if extra_args:
+                kwargs["extra_args"] = extra_args
             params = SamplingParams(
                 **kwargs,
                 max_tokens=job.max_tokens - len(job.resume_token_ids),
@@ -135,6 +162,28 @@ class VllmEngine:
                 if top is None
                 else token_logprobs(token_ids, completion.logprobs, top),
             )
+
+    async def _roleplay_args(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``extra_args`` for the roleplay samplers' processors; InvalidJobError when the
+        job asks for one and this replica's engine does not run them."""
+        if not fields:
+            return {}
+        from workers.engines.samplers import active_fields
+
+        asked = active_fields(fields)
+        if self._sampler_tokens is None:
+            if asked:
+                raise InvalidJobError(
+                    f"{asked[0]} is not supported by this replica: the roleplay samplers "
+                    "are vLLM V1 logits processors, which run on the CPU engine without "
+                    "speculative decoding (vLLM's GPU engine runs Model Runner V2, which "
+                    "does not load them)"
+                )
+            return {}
+        if not asked:
+            return {}
+        # Off the event loop: the first DRY request decodes the whole vocabulary once.
+        return await asyncio.to_thread(self._sampler_tokens.extra_args, fields)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
