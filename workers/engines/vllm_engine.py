@@ -137,8 +137,15 @@ class VllmEngine:
             )
         except (TypeError, ValueError, VLLMClientError) as exc:
             raise InvalidJobError(str(exc)) from exc
+        # vLLM's own request span joins the job's trace, when vLLM exports traces (it
+        # warns on every request given headers it cannot use).
+        traced = job.traceparent and self._config.engine_args.get("otlp_traces_endpoint")
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), params, job.id, priority=priority
+            TokensPrompt(prompt_token_ids=prompt_ids),
+            params,
+            job.id,
+            priority=priority,
+            trace_headers={"traceparent": job.traceparent} if traced else None,
         )
         try:
             # vLLM validates a request (a structured-output schema, say) as it is added,
