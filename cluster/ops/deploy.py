@@ -4,10 +4,11 @@ The cluster comes from ``ray up ray-configs/cluster.yaml``, KubeRay, or ``ray st
 hand; this command only deploys the workers onto it (``RAY_ADDRESS``) and returns. The
 gateway runs elsewhere (``charserve gateway``) against the same Redis, so the config is
 completed the way ``charserve up`` completes it (:mod:`cluster.ops.serve_config`), every
-autoscaling policy is built once (as the Serve controller will build it, so a bad
-``policy_kwargs`` fails here, not in the controller), and it is deployed the way ``serve
-deploy`` does it. The last line printed is the gateway environment that matches what was
-deployed.
+application's args are validated with the model the replicas validate them with (so a typo
+in ``engine.engine_args`` fails here, not in a replica), every autoscaling policy is built
+once (as the Serve controller will build it, so a bad ``policy_kwargs`` fails here, not in
+the controller), and it is deployed the way ``serve deploy`` does it. The last line
+printed is the gateway environment that matches what was deployed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import yaml
 
 from cluster.errors import ConfigError
 from cluster.ops import ray_serve
-from cluster.ops.serve_config import check_policies, gateway_env, load_serve_config
+from cluster.ops.serve_config import (
+    check_app_args,
+    check_policies,
+    gateway_env,
+    load_serve_config,
+)
 from cluster.runtime.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -39,6 +45,7 @@ def prepare_config(path: str | Path, settings: Settings) -> dict[str, Any]:
                 f"application {app.get('name')!r} has no Redis: set CHARSERVE_REDIS_URL "
                 "or args.redis_url in the config"
             )
+    check_app_args(config)
     check_policies(config)
     return config
 

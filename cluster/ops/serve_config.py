@@ -12,8 +12,11 @@ builder, completed with what the gateways and workers must agree on.
   ``queue_policy``, ``heartbeat_ms``) from its application's args, so the policy reads the
   queue the workers claim from.
 
-Then the file is validated with Ray's own schema. :func:`gateway_env` is the other
-direction: the gateway environment that matches a completed config.
+Then the file is validated with Ray's own schema. ``charserve deploy`` also builds what
+the cluster would build from it before anything is deployed: each application's args model
+(:func:`check_app_args`) and each autoscaling policy (:func:`check_policies`), both named by
+string. :func:`gateway_env` is the other direction: the gateway environment that matches a
+completed config.
 """
 
 from __future__ import annotations
@@ -23,14 +26,21 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+import structlog
 import yaml
+from pydantic import ValidationError
 
 from cluster.errors import ConfigError
 from cluster.runtime.redis_client import redacted_url
 from cluster.runtime.settings import Settings
 
+log = structlog.get_logger(__name__)
+
 # Named by string: the cluster package never imports workers.
 BACKLOG_POLICY = "workers.scaling.policy:BacklogPolicy"
+# Serve application builders -> the pydantic model each validates its ``args`` with (the
+# replica validates them again when it starts; vLLM's EngineArgs check included).
+APP_ARGS_MODELS = {"workers.deployment:build_app": "workers.deployment:WorkerArgs"}
 # Args a gateway and its workers must agree on, filled from the gateway's settings.
 SHARED_ARGS = ("namespace", "heartbeat_ms", "reply_log_ttl_s")
 _POLICY_FIELDS_FROM_ARGS = {
@@ -115,6 +125,36 @@ def _import_attr(path: str) -> Any:
     """``module:attr`` (or ``module.attr``), imported."""
     module, _, attr = path.replace(":", ".").rpartition(".")
     return getattr(importlib.import_module(module), attr)
+
+
+def check_app_args(config: dict[str, Any]) -> None:
+    """Validate each application's ``args`` with the model its builder validates them
+    with (:data:`APP_ARGS_MODELS`), as the cluster will, so a bad value, or a key of
+    ``engine.engine_args`` the installed vLLM does not know, fails the deploy here, with
+    the model's message, rather than in a replica. Where that model cannot be imported (a
+    gateway-only install has no ``workers`` package) the check is skipped, with a note in
+    the log; where vLLM is missing, the model itself skips the checks that need it."""
+    for app in config.get("applications", []):
+        # Ray takes ``module:builder`` and ``module.builder`` alike.
+        builder = str(app.get("import_path", "")).replace(":", ".")
+        models = {name.replace(":", "."): model for name, model in APP_ARGS_MODELS.items()}
+        model_path = models.get(builder)
+        if model_path is None:
+            continue
+        try:
+            model = _import_attr(model_path)
+        except ImportError as exc:
+            log.warning(
+                "application args not checked: their model cannot be imported here",
+                application=app.get("name"),
+                model=model_path,
+                error=str(exc),
+            )
+            continue
+        try:
+            model.model_validate(app.get("args") or {})
+        except ValidationError as exc:
+            raise ConfigError(f"application {app.get('name')!r}: {exc}") from exc
 
 
 def check_policies(config: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from cluster.runtime.clock import now_ms
+from cluster.runtime.redis_client import connect_sync
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
@@ -320,9 +321,8 @@ class BacklogWatch:
         return reading
 
     def _run(self) -> None:
-        client = redis.Redis.from_url(
-            self._url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
-        )
+        # Any URL form charserve takes (one server, a cluster, sentinels).
+        client = connect_sync(self._url, socket_timeout=5, health_check_interval=30)
         duration = JobDuration(self._config.job_s_prior, self._config.rate_window_s)
         failing = False
         try:
