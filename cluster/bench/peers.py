@@ -114,14 +114,13 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float) ->
 
 
 def _stop(process: subprocess.Popen[bytes], grace_s: float = 90) -> None:
-    """SIGTERM the server's process group, then SIGKILL whatever is left of it."""
+    """SIGTERM the server (each stops its own children in order), then SIGKILL whatever
+    is left of its process group."""
+    process.terminate()
     try:
-        os.killpg(process.pid, signal.SIGTERM)
         process.wait(grace_s)
     except subprocess.TimeoutExpired:
         pass
-    except ProcessLookupError:
-        return
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
