@@ -86,19 +86,32 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
+async def _outwait(work: asyncio.Future[Any], receive: Receive, timeout_s: float | None) -> bool:
+    """Wait for ``work`` (up to ``timeout_s``) unless the client disconnects first (then
+    raise ClientGone). True when it is done; False when the time ran out (it runs on)."""
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({work, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work.done():
+        return True
+    if gone.done():
+        raise ClientGone
+    return False
+
+
 async def race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
     """Await ``awaitable`` unless the client disconnects first (then raise ClientGone)."""
     work = asyncio.ensure_future(awaitable)
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await _outwait(work, receive, None)
     finally:
-        gone.cancel()
         if not work.done():
             work.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
-    raise ClientGone
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
 
 
 def queue_unavailable(exc: RedisError | None = None) -> APIError:
@@ -260,21 +273,14 @@ class ChatCall:
         With ``patience_s``, None when no chunk came within it: the wait goes on, for
         :meth:`stream` to take over (the reply's status is then 200, whatever comes)."""
         waiting = asyncio.ensure_future(self._first_in_time())
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
-        handed_over = False
         try:
-            await asyncio.wait(
-                {waiting, gone}, timeout=patience_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not waiting.done():
-                if gone.done():
-                    raise ClientGone
-                self._waiting, handed_over = waiting, True
-                return None
-        finally:
-            gone.cancel()
-            if not handed_over and not waiting.done():
-                waiting.cancel()
+            arrived = await _outwait(waiting, receive, patience_s)
+        except BaseException:
+            waiting.cancel()
+            raise
+        if not arrived:
+            self._waiting = waiting  # the response's body waits on, with keep-alives
+            return None
         try:
             chunk = waiting.result()
         except TimeoutError as exc:
