@@ -25,9 +25,8 @@ from typing import Any
 
 import httpx
 
-from cluster.bench.load import one_request
 from cluster.bench.samples import Sample, percentile
-from cluster.bench.sessions import persona_card
+from cluster.bench.sessions import persona_card, session_request
 
 # A lorebook whose entries trigger on one keyword each; the turns name them in rotation
 # (the book scans only the latest message), so the triggered set changes every turn.
@@ -52,36 +51,6 @@ def lore_card(index: int) -> dict[str, Any]:
         ],
     }
     return card
-
-
-async def _turn(
-    client: httpx.AsyncClient, url: str, args: argparse.Namespace, session_id: str, text: str
-) -> Sample:
-    return await one_request(
-        client,
-        url,
-        args.model,
-        args.max_tokens,
-        "",
-        headers={"X-Priority": args.priority},
-        messages=[{"role": "user", "content": text}],
-        extra={"session_id": session_id},
-    )
-
-
-async def _action(
-    client: httpx.AsyncClient, url: str, args: argparse.Namespace, session_id: str, action: str
-) -> Sample:
-    return await one_request(
-        client,
-        url,
-        args.model,
-        args.max_tokens,
-        "",
-        headers={"X-Priority": args.priority},
-        messages=[],
-        extra={"session_id": session_id, "session_action": action},
-    )
 
 
 async def _sessions(client: httpx.AsyncClient, url: str, card: dict[str, Any], n: int) -> list[str]:
@@ -112,8 +81,10 @@ async def swipes(client: httpx.AsyncClient, args: argparse.Namespace, seed: int)
     sessions = await _sessions(client, url, persona_card(seed), args.sessions)
     firsts, swiped = [], []
     for j, sid in enumerate(sessions):
-        firsts.append(await _turn(client, url, args, sid, f"(#{seed}.{j}) What now, captain?"))
-        swiped.append(await _action(client, url, args, sid, "swipe"))
+        firsts.append(
+            await session_request(client, url, args, sid, f"(#{seed}.{j}) What now, captain?")
+        )
+        swiped.append(await session_request(client, url, args, sid, action="swipe"))
     return {"first_reply": _ttft_ms(firsts), "swipe": _ttft_ms(swiped)}
 
 
@@ -124,7 +95,9 @@ async def warms(client: httpx.AsyncClient, args: argparse.Namespace, seed: int) 
     rng = random.Random(seed)
     for j, sid in enumerate(sessions):
         for t in range(args.warm_history_turns):
-            await _turn(client, url, args, sid, f"(#{seed}.{j}.{t}) Tell me about the sky.")
+            await session_request(
+                client, url, args, sid, f"(#{seed}.{j}.{t}) Tell me about the sky."
+            )
     # Same length, new words: as long a history as before, and in no cache.
     for sid in sessions:
         messages = (await client.get(f"{url}/v1/sessions/{sid}")).raise_for_status().json()
@@ -139,8 +112,8 @@ async def warms(client: httpx.AsyncClient, args: argparse.Namespace, seed: int) 
     await asyncio.sleep(args.warm_pause_s)  # the user types
     after_warm, without = [], []
     for j, (a, b) in enumerate(zip(warmed, cold, strict=True)):
-        after_warm.append(await _turn(client, url, args, a, f"(#{seed}.{j}) And now?"))
-        without.append(await _turn(client, url, args, b, f"(#{seed}.{j}) And now?"))
+        after_warm.append(await session_request(client, url, args, a, f"(#{seed}.{j}) And now?"))
+        without.append(await session_request(client, url, args, b, f"(#{seed}.{j}) And now?"))
     return {
         "warmed": _ttft_ms(after_warm),
         "not_warmed": _ttft_ms(without),
@@ -166,7 +139,9 @@ async def layouts(client: httpx.AsyncClient, args: argparse.Namespace, seed: int
             key = _LORE_KEYS[t % len(_LORE_KEYS)]
             for label in shares:
                 text = f"(#{seed}.{j}.{t}) What about the {key}?"
-                sample = await _turn(client, targets[label], args, sessions[label][j], text)
+                sample = await session_request(
+                    client, targets[label], args, sessions[label][j], text
+                )
                 if sample.ok and sample.prompt_tokens:
                     per_turn[label][t].append(sample.cached_tokens / sample.prompt_tokens)
     out: dict[str, Any] = {}

@@ -65,6 +65,28 @@ def persona_card(index: int) -> dict[str, Any]:
     }
 
 
+async def session_request(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    session_id: str,
+    text: str = "",
+    action: str = "reply",
+) -> Sample:
+    """One streamed session request: a turn with the user's ``text``, or (``action``)
+    a swipe, continue or impersonate of the session, which takes no message."""
+    return await one_request(
+        client,
+        url,
+        args.model,
+        args.max_tokens,
+        "",
+        headers={"X-Priority": args.priority},
+        messages=[{"role": "user", "content": text}] if action == "reply" else [],
+        extra={"session_id": session_id, "session_action": action},
+    )
+
+
 async def _vllm_cache_counters(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
     """Sum of vLLM's prefix-cache hits and queries over every replica."""
     text = (await client.get(f"{url}/metrics")).text
@@ -101,16 +123,7 @@ async def _round(url: str, args: argparse.Namespace, seed: int) -> list[tuple[in
             out = []
             for turn in range(args.turns):
                 text = f"(#{seed}.{j}.{turn}) {rng.choice(USER_PROMPTS)}"
-                sample = await one_request(
-                    client,
-                    url,
-                    args.model,
-                    args.max_tokens,
-                    "",
-                    headers={"X-Priority": args.priority},
-                    messages=[{"role": "user", "content": text}],
-                    extra={"session_id": session_id},
-                )
+                sample = await session_request(client, url, args, session_id, text)
                 out.append((turn, sample))
             return out
 
