@@ -63,7 +63,7 @@ from gateway.batches.objects import TEXT_ENDPOINT, BatchState
 from gateway.batches.store import BatchStore
 from gateway.chat.admission import classify
 from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gateway.chat.service import ChatContext, ChatService
+from gateway.chat.service import ChatContext, ChatService, whole_reply
 from gateway.http.errors import APIError, BadRequest
 
 log = structlog.get_logger(__name__)
@@ -429,8 +429,7 @@ class BatchRunner:
         else:
             assert isinstance(request, ChatCompletionRequest)
             response = await self._chat.complete(request, ctx)
-        body = json.loads(bytes(response.body))
-        return output_line(line, job_id, body)
+        return output_line(line, job_id, whole_reply(response))
 
     # -- the end --------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ result stale, and it is dropped.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 import structlog
@@ -31,7 +30,7 @@ from gateway.characters.store import CharacterStore, Session
 from gateway.chat.admission import classify
 from gateway.chat.prompts import PromptBuilder
 from gateway.chat.schemas import ChatCompletionRequest, ChatMessage
-from gateway.chat.service import ChatContext, ChatService
+from gateway.chat.service import ChatContext, ChatService, whole_reply
 from gateway.http.errors import APIError
 
 log = structlog.get_logger(__name__)
@@ -115,7 +114,7 @@ class SessionMemory:
         admission = classify(settings, self._clock.now_ms(), "batch", str(settings.budget_batch_ms))
         ctx = ChatContext(f"mem-{uuid.uuid4().hex}", tenant, admission)
         response = await self._chat.complete(request, ctx)
-        reply = json.loads(bytes(response.body))["choices"][0]["message"]["content"]
+        reply = whole_reply(response)["choices"][0]["message"]["content"]
         return str(reply).strip(), covered, covered + taken
 
     def _transcript(

@@ -38,6 +38,7 @@ from gateway.chat.admission import classify
 from gateway.chat.responses import CHAT_COMPLETION_RESPONSES
 from gateway.chat.routes import chat_context
 from gateway.chat.schemas import ChatCompletionRequest, SessionAction
+from gateway.chat.service import whole_reply
 from gateway.http.context import tenant as tenant_of
 from gateway.http.errors import APIError, BadRequest, NotFound
 from gateway.http.openapi import error_responses
@@ -272,7 +273,7 @@ def router() -> APIRouter:
         done = await s.chat.complete(chat, replace(chat_context(request), admission=admission))
         if done.status_code != 200:
             return done
-        usage = json.loads(bytes(done.body))["usage"]
+        usage = whole_reply(done)["usage"]
         return JSONResponse(
             {
                 "id": session_id,

@@ -102,6 +102,22 @@ class ChatContext:
     raw_send: Send | None = None
 
 
+class ReplyResponse(JSONResponse):
+    """A whole (non-streamed) reply; :attr:`reply` keeps its body for callers inside the
+    gateway (the Batch API, session warm-ups and summaries), which need not parse it back."""
+
+    def __init__(self, reply: dict[str, Any], headers: dict[str, str]) -> None:
+        super().__init__(reply, headers=headers)
+        self.reply = reply
+
+
+def whole_reply(response: Response) -> dict[str, Any]:
+    """The body of a reply :meth:`ChatService.complete` answered whole (a request that
+    asks no stream, with no client to leave)."""
+    assert isinstance(response, ReplyResponse), response
+    return response.reply
+
+
 def _digest(request: SamplingRequest, job: Job) -> str:
     """What makes two requests the same one: the body and the admission class."""
     canonical = request.model_dump_json() + "|" + job.priority_class
@@ -306,7 +322,7 @@ class ChatService:
         if turn is not None:
             await self._record(turn, text, final)
         body = reply_body(meta, text, final)
-        return JSONResponse(body, headers=rate)
+        return ReplyResponse(body, headers=rate)
 
     async def _attach(
         self,
@@ -340,7 +356,7 @@ class ChatService:
         if final.error_code is not None:
             raise from_worker(final.error_code, final.error_message)
         body = reply_body(meta, text, final)
-        return JSONResponse(body, headers=headers)
+        return ReplyResponse(body, headers=headers)
 
     def check(self, request: SamplingRequest) -> None:
         """Reject what this server cannot do, with the field at fault."""
