@@ -170,6 +170,13 @@ class Settings(BaseSettings):
         default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 above)."
     )
     max_messages: int = Field(default=1024, ge=1, description="Most messages in one request.")
+    max_choices: int = Field(
+        default=8,
+        ge=1,
+        le=128,
+        description="Most choices (n) one request may ask for; each choice is one job, "
+        "charged and admitted as such.",
+    )
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,

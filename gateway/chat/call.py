@@ -356,22 +356,37 @@ class ChatCall:
             if not nxt.done():
                 nxt.cancel()
 
+    async def arrival(self) -> Chunk:
+        """The first chunk, error chunks included, for a caller that did not ask
+        :meth:`first` (or whose :meth:`first` ran out of patience). ``TimeoutError`` when
+        no reply came in time."""
+        waiting = self._waiting or asyncio.ensure_future(self._first_in_time())
+        self._waiting = waiting
+        chunk = await waiting
+        self._took_first(chunk)
+        return chunk
+
+    async def next_chunk(self) -> Chunk:
+        """The reply's next chunk (``TimeoutError`` when it stopped arriving, ``SlowConsumer``
+        when the client fell too far behind)."""
+        chunk = await anext(self._chunks)
+        self._note(chunk)
+        return chunk
+
+    async def whole(self, first: Chunk) -> tuple[str, Chunk]:
+        """The rest of the reply after ``first``: its whole text, and its final chunk, which
+        carries the whole reply's logprobs. The call goes on (see :meth:`collect`)."""
+        parts, final = [first.text], first
+        logprobs = list(first.logprobs)
+        while not final.is_final:
+            final = await self.next_chunk()
+            parts.append(final.text)
+            logprobs.extend(final.logprobs)
+        return "".join(parts), replace(final, logprobs=logprobs) if logprobs else final
+
     async def collect(self, first: Chunk, receive: Receive) -> tuple[str, Chunk]:
         """The whole reply as one text, and its final chunk (the call ends with it)."""
-
-        async def rest() -> tuple[str, Chunk]:
-            parts, final = [first.text], first
-            logprobs = list(first.logprobs)
-            if not first.is_final:
-                async for chunk in self._chunks:
-                    self._note(chunk)
-                    parts.append(chunk.text)
-                    logprobs.extend(chunk.logprobs)
-                    final = chunk
-            # The whole reply's logprobs ride on its final chunk.
-            return "".join(parts), replace(final, logprobs=logprobs) if logprobs else final
-
-        text, final = await race_disconnect(rest(), receive)
+        text, final = await race_disconnect(self.whole(first), receive)
         self.end(Outcome.of_error(final.error_code))
         if final.error_code is not None:
             raise from_worker(final.error_code, final.error_message)
@@ -449,8 +464,7 @@ class ChatCall:
                     # The head and the first event are out: later content may go straight
                     # to the connection.
                     self._reply.direct = self._direct_sink(raw_send, fmt, parts)
-                chunk = await anext(self._chunks)
-                self._note(chunk)
+                chunk = await self.next_chunk()
         except TimeoutError:
             self.end(Outcome.TIMEOUT)
             yield error_event(GatewayTimeout("the reply stopped arriving").body())

@@ -21,7 +21,7 @@ import hashlib
 import re
 import time
 from collections.abc import Awaitable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -48,6 +48,7 @@ from gateway.chat.call import (
     queue_unavailable,
     race_disconnect,
 )
+from gateway.chat.choices import Choices
 from gateway.chat.prompts import ON_LOOP_CHARS, Prompt, PromptBuilder, prompt_chars
 from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.http.auth import Authenticator
@@ -65,7 +66,7 @@ from gateway.http.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
 from gateway.streaming.resume import Readers, RequestMeta, collect, replay, reply_body
-from gateway.streaming.sse import COMPLETION_ID_PREFIX, ChunkFormatter, ReplyKind
+from gateway.streaming.sse import COMPLETION_ID_PREFIX, ChunkFormatter, ReplyKind, whole_body
 
 log = structlog.get_logger(__name__)
 
@@ -227,8 +228,12 @@ class ChatService:
     ) -> Response:
         """Charge, admit, enqueue and relay one request's reply, as ``kind`` frames it."""
         admitting_ns = time.time_ns() if trace is not None else 0
+        if request.n > 1:
+            _choices_allowed(ctx, turn)
         rate = await self._charge(
-            ctx.tenant, len(prompt.token_ids) + prompt.max_tokens, ctx.admission.priority_class
+            ctx.tenant,
+            len(prompt.token_ids) + request.n * prompt.max_tokens,
+            ctx.admission.priority_class,
         )
         job = Job(
             id=ctx.request_id,
@@ -245,7 +250,7 @@ class ChatService:
             traceparent=trace.traceparent if trace is not None else "",
         )
         limits = await self._limits(ctx.tenant)
-        self._within_limits(job, limits)
+        self._within_limits(job, limits, request.n)
         await self._admit(job, limits.max_running)
         if trace is not None:
             trace.set(
@@ -264,19 +269,12 @@ class ChatService:
             request.continuous_usage,
             kind,
         )
-        call = ChatCall(
-            job,
-            inbox=self._inbox,
-            queue=self._queue,
-            metrics=self._metrics,
-            canceller=self._canceller,
-            stream=request.stream,
-            resumable=ctx.resumable,
-            timeout_s=self._settings.request_timeout_s,
-            clock=self._admitter.clock,
-            user=request.user,
-            trace=trace,
+        share = Share(
+            limits.weight, limits.max_waiting, limits.max_waiting_bytes, limits.max_running
         )
+        if request.n > 1:
+            return await self._serve_choices(request, job, meta, ctx, share, rate, trace)
+        call = self._call(job, request, ctx, trace)
         idempotency = None
         if ctx.client_request_id is not None:
             idempotency = (ctx.client_request_id, _digest(request, job))
@@ -286,9 +284,7 @@ class ChatService:
                 self._settings.reply_log_ttl_s * 1000,
                 turn.prefer if turn else None,
                 self._settings.affinity_wait_ms,
-                share=Share(
-                    limits.weight, limits.max_waiting, limits.max_waiting_bytes, limits.max_running
-                ),
+                share=share,
                 max_waiting=self._settings.max_queued,
                 idempotency=idempotency,
             )
@@ -323,6 +319,81 @@ class ChatService:
             await self._record(turn, text, final)
         body = reply_body(meta, text, final)
         return ReplyResponse(body, headers=rate)
+
+    def _call(
+        self, job: Job, request: SamplingRequest, ctx: ChatContext, trace: Trace | None
+    ) -> ChatCall:
+        return ChatCall(
+            job,
+            inbox=self._inbox,
+            queue=self._queue,
+            metrics=self._metrics,
+            canceller=self._canceller,
+            stream=request.stream,
+            resumable=ctx.resumable,
+            timeout_s=self._settings.request_timeout_s,
+            clock=self._admitter.clock,
+            user=request.user,
+            trace=trace,
+        )
+
+    async def _serve_choices(
+        self,
+        request: SamplingRequest,
+        job: Job,
+        meta: RequestMeta,
+        ctx: ChatContext,
+        share: Share,
+        headers: dict[str, str],
+        trace: Trace | None,
+    ) -> Response:
+        """Serve ``n`` > 1 choices as ``n`` jobs, the first ``job`` itself (see
+        :mod:`gateway.chat.choices`). A choice the queue refuses refuses the request, its
+        queued siblings withdrawn."""
+        jobs = [job] + [replace(job, id=f"{job.id}.{i}") for i in range(1, request.n)]
+        # The request's span belongs to its first choice's call, which ends it.
+        choices = Choices(
+            [self._call(j, request, ctx, trace if i == 0 else None) for i, j in enumerate(jobs)]
+        )
+        try:
+            for call in choices.calls:
+                await call.enqueue(
+                    meta,
+                    self._settings.reply_log_ttl_s * 1000,
+                    None,
+                    self._settings.affinity_wait_ms,
+                    share=share,
+                    max_waiting=self._settings.max_queued,
+                )
+            keepalive_s = self._settings.sse_keepalive_s if request.stream else 0.0
+            first = await choices.calls[0].first(ctx.receive, keepalive_s or None)
+            if request.stream:
+                formatters = [
+                    ChunkFormatter(
+                        meta.completion_id,
+                        meta.model,
+                        meta.created,
+                        meta.include_usage,
+                        continuous_usage=meta.continuous_usage,
+                        kind=meta.kind,
+                        index=i,
+                        usage_last=False,
+                    )
+                    for i in range(request.n)
+                ]
+                return choices.stream(first, formatters, meta.include_usage, headers, keepalive_s)
+            assert first is not None  # first() without patience always has the chunk
+            replies = await choices.collect(first, ctx.receive)
+        except ClientGone:
+            choices.end(Outcome.CANCELLED)
+            return Response(status_code=499)
+        except BaseException as exc:
+            if trace is not None:
+                _trace_error(trace, exc, end=False)  # the first call's end ends the span
+            choices.end(Outcome.TIMEOUT if isinstance(exc, GatewayTimeout) else Outcome.ERROR)
+            raise
+        body = whole_body(meta.kind, meta.completion_id, meta.model, meta.created, replies)
+        return ReplyResponse(body, headers=headers)
 
     async def _attach(
         self,
@@ -366,9 +437,11 @@ class ChatService:
                 param="model",
                 code="model_not_found",
             )
-        if request.n != 1:
+        if request.n > self._settings.max_choices:
             raise BadRequest(
-                "n is supported only as 1: ask again for another reply (a swipe)", param="n"
+                f"n is at most {self._settings.max_choices} on this server, got {request.n}",
+                param="n",
+                code="too_many_choices",
             )
         asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
         bound = self._settings.max_completion_tokens
@@ -412,9 +485,9 @@ class ChatService:
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
 
-    def _within_limits(self, job: Job, limits: Limits) -> None:
-        """What the tenant's limits allow this request: its class, its budget, and one
-        more open reply on this gateway."""
+    def _within_limits(self, job: Job, limits: Limits, replies: int = 1) -> None:
+        """What the tenant's limits allow this request: its class, its budget, and
+        ``replies`` more open replies on this gateway."""
         cls = PriorityClass(job.priority_class)
         if cls not in limits.classes:
             raise PermissionDenied(
@@ -432,7 +505,8 @@ class ChatService:
                 param="X-Latency-Budget-Ms",
                 code="budget_below_floor",
             )
-        if limits.max_streams and self._inbox.open_for(job.tenant) >= limits.max_streams:
+        open_now = self._inbox.open_for(job.tenant)
+        if limits.max_streams and open_now + replies > limits.max_streams:
             self._metrics.rejected(cls, DropReason.TENANT_QUEUE_FULL)
             raise refused(
                 DropReason.TENANT_QUEUE_FULL,
@@ -488,6 +562,29 @@ class ChatService:
             await self._persona.completed(turn, text, final.worker_id)
         except RedisError as exc:
             log.warning("could not record the turn", session_id=turn.session_id, error=str(exc))
+
+
+def _choices_allowed(ctx: ChatContext, turn: PersonaTurn | None) -> None:
+    """Refuse what ``n`` > 1 cannot be combined with, naming the field."""
+    if turn is not None:
+        raise BadRequest(
+            "n > 1 is not served for a session's turn, which keeps one reply: ask for "
+            "alternatives with the session's swipe action",
+            param="n",
+            code="unsupported_field",
+        )
+    for header, asked in (
+        ("X-Resumable", ctx.resumable),
+        ("X-Event-Ids", ctx.event_ids),
+        ("X-Request-Id", ctx.client_request_id is not None),
+    ):
+        if asked:
+            raise BadRequest(
+                f"{header} is not served with n > 1 (a reply of several choices cannot be "
+                "resumed, numbered or attached to): ask for one choice, or leave the header out",
+                param=header,
+                code="unsupported_field",
+            )
 
 
 async def _traced(trace: Trace, work: Awaitable[Response]) -> Response:

@@ -33,9 +33,8 @@ from gateway.streaming.sse import (
     KEEPALIVE_END,
     ChunkFormatter,
     ReplyKind,
-    completion_body,
     error_event,
-    text_completion_body,
+    whole_body,
 )
 
 
@@ -63,8 +62,7 @@ class RequestMeta:
 
 def reply_body(meta: RequestMeta, text: str, final: Chunk) -> dict[str, Any]:
     """The whole (non-streamed) reply's body, as its kind frames it."""
-    build = text_completion_body if meta.kind == "text" else completion_body
-    return build(meta.completion_id, meta.model, meta.created, text, final)
+    return whole_body(meta.kind, meta.completion_id, meta.model, meta.created, [(text, final)])
 
 
 async def load_meta(redis: aioredis.Redis, keys: Keys, request_id: str, tenant: str) -> RequestMeta:

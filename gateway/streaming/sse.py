@@ -14,6 +14,7 @@ long for its first token gets comment lines meanwhile (:data:`KEEPALIVE`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,12 +49,7 @@ def _dumps(obj: Any) -> str:
 
 def usage(chunk: Chunk) -> dict[str, Any]:
     """The OpenAI ``usage`` object from a final chunk's counts."""
-    return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens},
-    }
+    return summed_usage((chunk,))
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -111,6 +107,11 @@ class ChunkFormatter:
     # stream_options.continuous_usage_stats: the usage so far on every chunk.
     continuous_usage: bool = False
     kind: ReplyKind = "chat"
+    # The choice this formatter's events belong to (``n`` > 1: one formatter per choice).
+    index: int = 0
+    # Whether the usage chunk (include_usage) follows this choice's final chunk; False for
+    # one choice of several, after whose last the request's usage comes once.
+    usage_last: bool = True
     # Characters of a text completion so far: where its next logprobs' text_offset starts.
     _offset: int = 0
     _content_head: bytes = b""
@@ -133,12 +134,17 @@ class ChunkFormatter:
     ) -> dict[str, Any]:
         if self.kind == "text":
             shaped = text_logprobs(logprobs, self._offset) if logprobs else None
-            return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish}
+            return {
+                "index": self.index,
+                "text": text or "",
+                "logprobs": shaped,
+                "finish_reason": finish,
+            }
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if role:
             delta = {"role": "assistant", "content": text}
         shaped = chat_logprobs(logprobs) if logprobs else None
-        return {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}
+        return {"index": self.index, "delta": delta, "logprobs": shaped, "finish_reason": finish}
 
     def _body(self, choices: list[dict[str, Any]], usage_obj: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -168,6 +174,10 @@ class ChunkFormatter:
         head = f"id: {seq}\n" if self.event_ids else ""
         return f"{head}data: {_dumps(self._body(choices, usage_obj))}\n\n".encode()
 
+    def usage_event(self, seq: int, usage_obj: dict[str, Any]) -> bytes:
+        """The last chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+        return self._event(seq, [], usage_obj)
+
     def is_content(self, chunk: Chunk) -> bool:
         """True when ``chunk``'s events are just :meth:`content_event`."""
         return (
@@ -194,8 +204,8 @@ class ChunkFormatter:
             out += self._event(chunk.seq, [choice], so_far)
         if chunk.is_final:
             out += self._event(chunk.seq, [self._choice(None, finish_reason(chunk))], so_far)
-            if self.include_usage:
-                out += self._event(chunk.seq, [], usage(chunk))
+            if self.include_usage and self.usage_last:
+                out += self.usage_event(chunk.seq, usage(chunk))
         return out
 
     def render(self, chunk: Chunk) -> bytes:
@@ -212,45 +222,53 @@ def error_event(body: dict[str, Any]) -> bytes:
     return f"data: {_dumps(body)}\n\n".encode()
 
 
-def text_completion_body(
-    completion_id: str, model: str, created: int, text: str, final: Chunk
-) -> dict[str, Any]:
-    """A non-streaming ``text_completion`` response (``/v1/completions``)."""
+def summed_usage(finals: Sequence[Chunk]) -> dict[str, Any]:
+    """The usage of a request's choices together: its prompt once (every choice had the
+    same), the completions summed, as OpenAI counts ``n`` > 1."""
+    first = finals[0]
+    completion = sum(final.completion_tokens for final in finals)
     return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": text_logprobs(final.logprobs, 0) if final.logprobs else None,
-                "finish_reason": finish_reason(final),
-            }
-        ],
-        "usage": usage(final),
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
-def completion_body(
-    completion_id: str, model: str, created: int, text: str, final: Chunk
+def _text_choice(index: int, text: str, final: Chunk) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": text_logprobs(final.logprobs, 0) if final.logprobs else None,
+        "finish_reason": finish_reason(final),
+    }
+
+
+def _chat_choice(index: int, text: str, final: Chunk) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": chat_logprobs(final.logprobs) if final.logprobs else None,
+        "finish_reason": finish_reason(final),
+    }
+
+
+def whole_body(
+    kind: ReplyKind,
+    completion_id: str,
+    model: str,
+    created: int,
+    replies: Sequence[tuple[str, Chunk]],
 ) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` response."""
+    """A non-streaming ``chat.completion`` or ``text_completion`` response: one choice
+    per reply (its text and its final chunk), in order."""
+    choice = _text_choice if kind == "text" else _chat_choice
     return {
         "id": completion_id,
-        "object": "chat.completion",
+        "object": "text_completion" if kind == "text" else "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": chat_logprobs(final.logprobs) if final.logprobs else None,
-                "finish_reason": finish_reason(final),
-            }
-        ],
-        "usage": usage(final),
+        "choices": [choice(i, text, final) for i, (text, final) in enumerate(replies)],
+        "usage": summed_usage([final for _, final in replies]),
     }

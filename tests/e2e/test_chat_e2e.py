@@ -302,3 +302,43 @@ async def test_logprobs_on_the_real_engine_are_the_greedy_choice(
         for t in c.choices[0].logprobs.tokens
     ]
     assert len(tokens) == 6
+
+
+async def test_n_choices_on_the_real_engine(client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "system", "content": PERSONA}, {"role": "user", "content": "Hello!"}]
+    whole = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=1.0,
+        n=3,  # type: ignore[arg-type]
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all(c.message.content for c in whole.choices)
+    assert whole.usage is not None and 3 <= whole.usage.completion_tokens <= 3 * 12
+    # Greedy choices of one prompt are the same reply: one prompt, n independent jobs.
+    greedy = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        n=2,  # type: ignore[arg-type]
+    )
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts: dict[int, str] = {}
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert sorted(texts) == [0, 1, 2] and all(texts.values())
+    assert usage is not None and usage.completion_tokens == 3 * 8

@@ -551,3 +551,17 @@ async def test_a_batch_of_text_completions(stack: Stack) -> None:
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected(3)
     # A refused field fails its line; a line for another endpoint fails validation.
     assert {e["custom_id"] for e in errors} == {"b", "chat-in-a-text-batch"}
+
+
+async def test_a_line_may_ask_for_several_choices(stack: Stack) -> None:
+    async with stack.client() as client:
+        batch = await submit(client, jsonl([line("two", max_tokens=2, n=2)]))
+        done = await wait_status(client, batch.id, "completed", "failed")
+        assert done.status == "completed" and done.request_counts.completed == 1, done
+        (out,) = await read_jsonl(client, done.output_file_id)
+    body = out["response"]["body"]
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [
+        (0, expected(2)),
+        (1, expected(2)),
+    ]
+    assert body["usage"]["completion_tokens"] == 4

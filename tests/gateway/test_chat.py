@@ -235,7 +235,7 @@ def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
         ),
         ("stream not bool", {**ok, "stream": "yes"}, 400, "invalid_value", "stream"),
         ("max_tokens zero", {**ok, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
-        ("n above one", {**ok, "n": 2}, 400, "invalid_request", "n"),
+        ("n above the bound", {**ok, "n": 9}, 400, "too_many_choices", "n"),
         (
             "bad logit_bias",
             {**ok, "logit_bias": {"abc": 1.0}},
