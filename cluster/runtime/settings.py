@@ -170,6 +170,12 @@ class Settings(BaseSettings):
         default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 above)."
     )
     max_messages: int = Field(default=1024, ge=1, description="Most messages in one request.")
+    tool_parser: Literal["hermes"] | None = Field(
+        default=None,
+        description="The served model's tool-call format, for tool_choice auto (hermes: "
+        "<tool_call>{...}</tool_call>, as Hermes and Qwen 2.5 write); unset: auto is a 400, "
+        "required and named functions are served by structured outputs.",
+    )
     max_choices: int = Field(
         default=8,
         ge=1,

@@ -7,7 +7,8 @@ and so the worker hands vLLM token ids directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -18,6 +19,7 @@ from gateway.chat.schemas import (
     ChatMessage,
     CompletionRequest,
 )
+from gateway.chat.tools import template_tools, tools_chars
 from gateway.http.errors import BadRequest
 
 log = structlog.get_logger(__name__)
@@ -63,15 +65,19 @@ class TemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # The request's tools, for a template that renders them (OpenAI's shape).
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> TemplateOptions:
         """A chat request's options (see :meth:`checked`)."""
-        return cls.checked(
+        options = cls.checked(
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
         )
+        tools = template_tools(request.tools)
+        return replace(options, tools=tools) if tools else options
 
     @classmethod
     def checked(
@@ -128,7 +134,7 @@ class PromptBuilder:
         return asked if asked is not None else self._default_max_tokens
 
     def encode(
-        self, messages: list[dict[str, str]], options: TemplateOptions | None = None
+        self, messages: list[dict[str, Any]], options: TemplateOptions | None = None
     ) -> list[int]:
         """Prompt token ids of ``messages`` (template applied); 400 if it rejects them."""
         options = options or TemplateOptions()
@@ -139,6 +145,7 @@ class PromptBuilder:
                 tokenize=False,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
+                **({"tools": options.tools} if options.tools else {}),
                 **options.kwargs,
             )
         except Exception as exc:  # the template rejected this conversation
@@ -165,10 +172,14 @@ class PromptBuilder:
         """Each token's own string."""
         return list(self._tokenizer.convert_ids_to_tokens(token_ids))
 
-    def _template_message(self, message: dict[str, str]) -> dict[str, str]:
-        """A message as the template takes it: ``developer`` as ``system``, and a speaker's
-        ``name`` either passed (a template that uses it) or prefixed to the content."""
+    def _template_message(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message as the template takes it: ``developer`` as ``system``, a speaker's
+        ``name`` either passed (a template that uses it) or prefixed to the content, and
+        tool calls and tool call ids as they came."""
         out = {"role": _template_role(message["role"]), "content": message["content"]}
+        for key in ("tool_calls", "tool_call_id"):
+            if key in message:
+                out[key] = message[key]
         name = message.get("name")
         if name:
             if self._template_uses_name:
@@ -203,7 +214,7 @@ class PromptBuilder:
         request's) and decide ``max_tokens``; 400 if they cannot fit."""
         if messages is None:
             messages = template_messages(request.messages)
-        self.check_chars(prompt_chars(messages), "messages")
+        self.check_chars(prompt_chars(messages) + tools_chars(request.tools), "messages")
         token_ids = self.encode(messages, options or TemplateOptions.of(request))
         prompt_len = len(token_ids)
         room = self.max_model_len - prompt_len
@@ -255,17 +266,28 @@ class PromptBuilder:
         return Prompt(token_ids, asked)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """A request's messages as the template takes them (text, and the speaker's name)."""
-    return [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A request's messages as the template takes them (text, the speaker's name, tool
+    calls and the id of the call a tool message answers)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [call.template() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def prompt_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' contents and tool calls."""
+    return sum(
+        len(m["content"]) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
         for m in messages
-    ]
-
-
-def prompt_chars(messages: list[dict[str, str]]) -> int:
-    """Characters of the messages' contents."""
-    return sum(len(m["content"]) for m in messages)
+    )
 
 
 def _template_role(role: str) -> str:

@@ -19,6 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from cluster.wire.protocol import SAMPLING_FIELDS
+from gateway.chat.tools import (
+    MAX_TOOLS,
+    MessageToolCall,
+    Tool,
+    ToolChoice,
+    choice_contradiction,
+    constraint,
+    effective_choice,
+)
 
 # Bounds on the lists a request may send: vLLM checks every stop string and bad word at
 # every token, and walks logit_bias and allowed_token_ids at every step, so their sizes
@@ -48,8 +57,6 @@ MAX_XTC_THRESHOLD = 0.5  # above it no two tokens can both pass: XTC would never
 # OpenAI and vLLM chat fields this server does not serve, and why: a request that sets one
 # to anything but its neutral value (``_NEUTRAL``) gets a 400 naming it.
 REFUSED_FIELDS: dict[str, str] = {
-    "tools": "tool calling is not served: no tool parser is configured for this model",
-    "tool_choice": "tool calling is not served: no tool parser is configured for this model",
     "functions": "function calling is not served (and deprecated by OpenAI for tools)",
     "function_call": "function calling is not served (and deprecated by OpenAI for tools)",
     "prompt_logprobs": "log probabilities are not returned by this server yet",
@@ -80,7 +87,7 @@ REFUSED_FIELDS: dict[str, str] = {
     "return_tokens_as_token_ids": "not served",
     "return_token_ids": "not served",
     "chat_template": "the chat template is the model's own; pass chat_template_kwargs",
-    "tool_parser": "tool calling is not served",
+    "tool_parser": "the tool parser is the server's (CHARSERVE_TOOL_PARSER)",
 }
 # Values of a refused field that ask for nothing, so a client that sends them is served.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -90,16 +97,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "modalities": (["text"],),
-    "tool_choice": ("none",),
-    "tools": ([],),
     "functions": ([],),
     "best_of": (1,),
     "service_tier": ("auto", "default"),
 }
 # Keys of a message this server does not serve.
 REFUSED_MESSAGE_FIELDS: dict[str, str] = {
-    "tool_calls": "tool calling is not served: no tool parser is configured for this model",
-    "tool_call_id": "tool calling is not served: no tool parser is configured for this model",
     "function_call": "function calling is not served",
     "audio": "this model takes text only",
     "refusal": "refusals are not produced by this model",
@@ -152,11 +155,26 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, min_length=1, max_length=128)
+    # An assistant's earlier calls, and a tool message's answer to one of them.
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
 
     @model_validator(mode="before")
     @classmethod
     def _fields(cls, data: Any) -> Any:
         return _refuse_fields(data, set(cls.model_fields), REFUSED_MESSAGE_FIELDS)
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError(
+                "invalid_value", "only an assistant message has tool_calls", {"field": "tool_calls"}
+            )
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError(
+                "invalid_value", "only a tool message has tool_call_id", {"field": "tool_call_id"}
+            )
+        return self
 
     def text(self) -> str:
         """The message's text, with content parts joined."""
@@ -521,7 +539,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=16)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # OpenAI's parallel_tool_calls only means something with tools, which are refused.
+    # Tool calling (gateway/chat/tools.py).
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # charserve's persona chats (docs/api.md): a session turn, or a character's persona
     # around the client's own messages, and the user's name in it.
@@ -546,9 +566,27 @@ class ChatCompletionRequest(SamplingRequest):
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def structured(self) -> dict[str, Any] | None:
+        schema = constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return {"json": schema} if schema is not None else super().structured()
+
+    def _constraints(self) -> list[str]:
+        given = super()._constraints()
+        if constraint(self.tools, self.tool_choice, self.parallel_tool_calls) is not None:
+            given.append("tool_choice")
+        return given
+
     def _contradiction(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return ("top_logprobs", "top_logprobs needs logprobs: true")
+        found = choice_contradiction(self.tools, self.tool_choice)
+        if found is not None:
+            return found
+        if effective_choice(self.tools, self.tool_choice) not in (None, "none"):
+            if self.logprobs:
+                return ("logprobs", "logprobs are not served with tool calls")
+            if self.session_id is not None or self.character_id is not None:
+                return ("tools", "tools are not served in persona chats (session, character)")
         if self.speaker is not None and self.session_id is None:
             return ("speaker", "speaker needs a group session's session_id")
         if self.session_action != "reply":

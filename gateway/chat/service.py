@@ -49,8 +49,15 @@ from gateway.chat.call import (
     race_disconnect,
 )
 from gateway.chat.choices import Choices
-from gateway.chat.prompts import ON_LOOP_CHARS, Prompt, PromptBuilder, prompt_chars
+from gateway.chat.prompts import (
+    ON_LOOP_CHARS,
+    Prompt,
+    PromptBuilder,
+    prompt_chars,
+    template_messages,
+)
 from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.chat.tools import tool_mode, tools_chars
 from gateway.http.auth import Authenticator
 from gateway.http.errors import (
     APIError,
@@ -67,6 +74,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox
 from gateway.streaming.resume import Readers, RequestMeta, collect, replay, reply_body
 from gateway.streaming.sse import COMPLETION_ID_PREFIX, ChunkFormatter, ReplyKind, whole_body
+from gateway.streaming.tool_calls import ToolMode
 
 log = structlog.get_logger(__name__)
 
@@ -174,9 +182,17 @@ class ChatService:
                 param="messages",
                 code="too_many_messages",
             )
+        tools = tool_mode(request.tools, request.tool_choice, self._settings.tool_parser)
+        if tools is not None and ctx.resumable:
+            raise BadRequest(
+                "X-Resumable is not served with tool calls (a resumed stream could not "
+                "rebuild the calls already sent): leave the header out",
+                param="X-Resumable",
+                code="unsupported_field",
+            )
         turn = await self._persona_turn(request, ctx.tenant)
         prompt = await self._build_prompt(request, turn)
-        return await self._serve(request, prompt, ctx, "chat", turn, trace)
+        return await self._serve(request, prompt, ctx, "chat", turn, trace, tools)
 
     async def complete_text(self, request: CompletionRequest, ctx: ChatContext) -> Response:
         """Run one text completion (``/v1/completions``) end to end, through the same
@@ -225,8 +241,10 @@ class ChatService:
         kind: ReplyKind,
         turn: PersonaTurn | None,
         trace: Trace | None = None,
+        tools: ToolMode | None = None,
     ) -> Response:
-        """Charge, admit, enqueue and relay one request's reply, as ``kind`` frames it."""
+        """Charge, admit, enqueue and relay one request's reply, as ``kind`` frames it
+        (and ``tools`` shapes it)."""
         admitting_ns = time.time_ns() if trace is not None else 0
         if request.n > 1:
             _choices_allowed(ctx, turn)
@@ -268,6 +286,7 @@ class ChatService:
             request.include_usage,
             request.continuous_usage,
             kind,
+            tools,
         )
         share = Share(
             limits.weight, limits.max_waiting, limits.max_waiting_bytes, limits.max_running
@@ -302,6 +321,7 @@ class ChatService:
                     event_ids=ctx.resumable or ctx.event_ids,
                     continuous_usage=meta.continuous_usage,
                     kind=kind,
+                    tools=tools,
                 )
                 on_complete = self._recorder(turn) if turn else None
                 return call.stream(first, fmt, ctx.raw_send, on_complete, rate, keepalive_s)
@@ -377,6 +397,7 @@ class ChatService:
                         continuous_usage=meta.continuous_usage,
                         kind=meta.kind,
                         index=i,
+                        tools=meta.tools,
                         usage_last=False,
                     )
                     for i in range(request.n)
@@ -392,7 +413,9 @@ class ChatService:
                 _trace_error(trace, exc, end=False)  # the first call's end ends the span
             choices.end(Outcome.TIMEOUT if isinstance(exc, GatewayTimeout) else Outcome.ERROR)
             raise
-        body = whole_body(meta.kind, meta.completion_id, meta.model, meta.created, replies)
+        body = whole_body(
+            meta.kind, meta.completion_id, meta.model, meta.created, replies, meta.tools
+        )
         return ReplyResponse(body, headers=headers)
 
     async def _attach(
@@ -470,9 +493,9 @@ class ChatService:
     ) -> Prompt:
         """Render and tokenize the prompt; a long one off the event loop, which belongs to
         every request of this process."""
-        messages = turn.messages if turn else None
+        messages = turn.messages if turn else template_messages(request.messages)
         options = turn.template if turn else None
-        chars = prompt_chars(messages) if messages else sum(len(m.text()) for m in request.messages)
+        chars = prompt_chars(messages) + tools_chars(request.tools)
         if chars <= ON_LOOP_CHARS:
             return self._prompts.build(request, messages, options)
         return await asyncio.to_thread(self._prompts.build, request, messages, options)

@@ -36,6 +36,7 @@ from gateway.streaming.sse import (
     error_event,
     whole_body,
 )
+from gateway.streaming.tool_calls import ToolMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class RequestMeta:
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk
     kind: ReplyKind = "chat"  # a chat completion, or a text completion
+    tools: ToolMode | None = None  # how a chat's reply becomes tool calls
 
     def encode(self) -> bytes:
         """JSON for Redis."""
@@ -57,12 +59,16 @@ class RequestMeta:
     @classmethod
     def decode(cls, raw: bytes) -> RequestMeta:
         """From Redis JSON."""
-        return cls(**json.loads(raw))
+        fields = json.loads(raw)
+        tools = fields.pop("tools", None)
+        return cls(**fields, tools=ToolMode(**tools) if tools else None)
 
 
 def reply_body(meta: RequestMeta, text: str, final: Chunk) -> dict[str, Any]:
     """The whole (non-streamed) reply's body, as its kind frames it."""
-    return whole_body(meta.kind, meta.completion_id, meta.model, meta.created, [(text, final)])
+    return whole_body(
+        meta.kind, meta.completion_id, meta.model, meta.created, [(text, final)], meta.tools
+    )
 
 
 async def load_meta(redis: aioredis.Redis, keys: Keys, request_id: str, tenant: str) -> RequestMeta:
@@ -145,6 +151,7 @@ async def replay(
         event_ids=True,
         continuous_usage=meta.continuous_usage,
         kind=meta.kind,
+        tools=meta.tools,
     )
     lead = b""  # after keep-alives, KEEPALIVE_END goes with the next event (see sse.py)
     sent_s = time.monotonic()

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from cluster.wire.protocol import Chunk
 from gateway.http.errors import from_worker
+from gateway.streaming.tool_calls import ToolMode, ToolStream, shape_whole
 
 DONE = b"data: [DONE]\n\n"
 # Sent while a streamed request waits for its first token, so that no idle timeout (a load
@@ -112,6 +113,9 @@ class ChunkFormatter:
     # Whether the usage chunk (include_usage) follows this choice's final chunk; False for
     # one choice of several, after whose last the request's usage comes once.
     usage_last: bool = True
+    # How the reply becomes tool calls (None: it is content), for a chat with tools.
+    tools: ToolMode | None = None
+    _tool_stream: ToolStream | None = None
     # Characters of a text completion so far: where its next logprobs' text_offset starts.
     _offset: int = 0
     _content_head: bytes = b""
@@ -120,6 +124,8 @@ class ChunkFormatter:
     def __post_init__(self) -> None:
         if self.kind == "text":
             self.role_sent = True  # a text completion has no role to send
+        elif self.tools is not None:
+            self._tool_stream = ToolStream(self.tools, self.completion_id, self.index)
         marker = "\x00text\x00"
         head, tail = _dumps(self._body([self._choice(marker, None)], None)).split(_dumps(marker))
         self._content_head = f"data: {head}".encode()
@@ -186,12 +192,15 @@ class ChunkFormatter:
             and not chunk.is_final
             and not self.continuous_usage
             and not chunk.logprobs
+            and self._tool_stream is None
         )
 
     def events(self, chunk: Chunk) -> bytes:
         """The SSE bytes for one worker chunk (content, then finish and usage if final)."""
         if self.is_content(chunk):
             return self.content_event(chunk.seq, chunk.text)
+        if self._tool_stream is not None:
+            return self._tool_events(self._tool_stream, chunk)
         out = b""
         so_far = usage(chunk) if self.continuous_usage else None
         if chunk.text or not self.role_sent:
@@ -207,6 +216,31 @@ class ChunkFormatter:
             if self.include_usage and self.usage_last:
                 out += self.usage_event(chunk.seq, usage(chunk))
         return out
+
+    def _tool_events(self, stream: ToolStream, chunk: Chunk) -> bytes:
+        """The events of one chunk of a reply that may be tool calls: its deltas (the role
+        on the first), then the finish (and usage) if final."""
+        so_far = usage(chunk) if self.continuous_usage else None
+        deltas = stream.feed(chunk.text)
+        finish = None
+        if chunk.is_final:
+            more, finish = stream.end(finish_reason(chunk))
+            deltas += more
+        if not self.role_sent:
+            self.role_sent = True
+            head = {"role": "assistant", "content": None}
+            deltas = [{**head, **deltas[0]}, *deltas[1:]] if deltas else [head]
+        out = b"".join(
+            self._event(chunk.seq, [self._delta_choice(delta, None)], so_far) for delta in deltas
+        )
+        if finish is not None:
+            out += self._event(chunk.seq, [self._delta_choice({}, finish)], so_far)
+            if self.include_usage and self.usage_last:
+                out += self.usage_event(chunk.seq, usage(chunk))
+        return out
+
+    def _delta_choice(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def render(self, chunk: Chunk) -> bytes:
         """Everything the client gets for one worker chunk: its events, and ``[DONE]``
@@ -253,16 +287,33 @@ def _chat_choice(index: int, text: str, final: Chunk) -> dict[str, Any]:
     }
 
 
+def _tool_choice(
+    tools: ToolMode, completion_id: str, index: int, text: str, final: Chunk
+) -> dict[str, Any]:
+    content, calls, finish = shape_whole(tools, text, finish_reason(final), completion_id, index)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls is not None:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+
+
 def whole_body(
     kind: ReplyKind,
     completion_id: str,
     model: str,
     created: int,
     replies: Sequence[tuple[str, Chunk]],
+    tools: ToolMode | None = None,
 ) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` or ``text_completion`` response: one choice
-    per reply (its text and its final chunk), in order."""
+    per reply (its text and its final chunk), in order; with ``tools``, a chat reply's
+    text as tool calls where it makes them."""
     choice = _text_choice if kind == "text" else _chat_choice
+    if tools is not None and kind == "chat":
+
+        def choice(index: int, text: str, final: Chunk) -> dict[str, Any]:
+            return _tool_choice(tools, completion_id, index, text, final)
+
     return {
         "id": completion_id,
         "object": "text_completion" if kind == "text" else "chat.completion",

@@ -342,3 +342,56 @@ async def test_n_choices_on_the_real_engine(client: openai.AsyncOpenAI) -> None:
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
     assert sorted(texts) == [0, 1, 2] and all(texts.values())
     assert usage is not None and usage.completion_tokens == 3 * 8
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+async def test_tool_calls_on_the_real_engine(client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    required = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=60,
+        temperature=0,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice="required",
+    )
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    # Named, streamed: the arguments arrive in pieces and parse whole.
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=60,
+        temperature=0,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+    )
+    pieces, names = [], set()
+    async for chunk in stream:
+        for call_delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if call_delta.function and call_delta.function.name:
+                names.add(call_delta.function.name)
+            if call_delta.function and call_delta.function.arguments:
+                pieces.append(call_delta.function.arguments)
+    assert names == {"get_weather"} and len(pieces) > 1
+    assert set(json.loads("".join(pieces))) == {"city"}

@@ -246,7 +246,13 @@ def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
         ("body not an object", [1, 2], 400, "invalid_json", None),
         # No field is ignored: an unknown or a refused one is a 400 that names it.
         ("unknown field", {**ok, "mirostat_mode": 2}, 400, "unsupported_field", "mirostat_mode"),
-        ("tools", {**ok, "tools": [{"type": "function"}]}, 400, "unsupported_field", "tools"),
+        (
+            "tool without a function",
+            {**ok, "tools": [{"type": "function"}], "tool_choice": "none"},
+            400,
+            "invalid_value",
+            "tools.0.function",
+        ),
         (
             "prompt_logprobs",
             {**ok, "prompt_logprobs": 1},
@@ -265,7 +271,22 @@ def _bad_requests() -> list[tuple[str, Any, int, str | None, str | None]]:
         ("store", {**ok, "store": True}, 400, "unsupported_field", "store"),
         (
             "message tool_calls",
-            {**ok, "messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
+            {
+                **ok,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": ""},
+                            }
+                        ],
+                    }
+                ],
+            },
             400,
             "unsupported_field",
             "messages.0.tool_calls",
