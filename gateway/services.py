@@ -88,7 +88,7 @@ class Services:
         prompts = await asyncio.to_thread(
             PromptBuilder, model_path, settings.max_model_len, settings.default_max_tokens
         )
-        queue = JobQueue(redis, keys, settings.queue_policy)
+        queue = JobQueue(redis, keys, settings.queue_policy, settings.served_model_name)
         capacity = CapacityView(redis, keys, settings.heartbeat_ms)
         await capacity.start()
         auth = Authenticator(
@@ -117,6 +117,8 @@ class Services:
             settings.default_system_prompt,
             settings.session_affinity,
             settings.prompt_layout,
+            settings.served_model_name,
+            lambda: capacity.current.adapters,
         )
         # Readers of reply logs block on their own connections, never the chat path's.
         readers = Readers(

@@ -28,6 +28,7 @@ class FakeEngine:
         # Appended to every token's text (long replies for tests of slow readers).
         self.padding = ""
         self.seeds = True  # whether it claims to honour seeds (a CPU vLLM does not)
+        self.loras: frozenset[str] = frozenset()  # the LoRA adapters it claims to serve
         self.running = 0
         self.max_running_seen = 0
         self.started: list[str] = []
@@ -49,6 +50,10 @@ class FakeEngine:
     @property
     def honours_seed(self) -> bool:
         return self.seeds
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        return self.loras
 
     async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         self.started.append(job.id)

@@ -93,6 +93,9 @@ class WorkerReplica:
         parsed = WorkerArgs.model_validate(args)
         configure_logging(parsed.log_level, parsed.log_format)
         self._engine = _build_engine(parsed)
+        if isinstance(self._engine, VllmEngine):
+            # Before the consumer starts: it advertises (and claims for) what is loaded.
+            await self._engine.load_adapters()
         self._consumer = Consumer(
             parsed.resolved_redis_url(),
             Keys(parsed.namespace),

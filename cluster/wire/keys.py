@@ -69,10 +69,19 @@ class Keys:
         """A wake list for one worker: enqueues of jobs that prefer it."""
         return self._key("wake", worker_id)
 
+    def wake_for_adapter(self, adapter: str) -> str:
+        """A wake list for the workers serving one LoRA adapter: enqueues of its jobs."""
+        return self._key("wake-lora", adapter)
+
+    @property
+    def wake_for_adapter_prefix(self) -> str:
+        """:meth:`wake_for_adapter` without its adapter (the requeue script completes it)."""
+        return self._key("wake-lora", "")
+
     @property
     def job_info(self) -> str:
         """Hash: job id -> what the queue needs of it without decoding its body
-        (``tenant|class|weight|bytes|flags|max_running|gateway|cost``)."""
+        (``tenant|class|weight|bytes|flags|max_running|gateway|cost|adapter``)."""
         return self._key("jobinfo")
 
     def tenant_queue(self, priority_class: str, tenant: str) -> str:

@@ -20,8 +20,8 @@ import msgpack
 from cluster.errors import ProtocolError
 from cluster.wire.vocabulary import PriorityClass
 
-VERSION = 5
-_ACCEPTED = frozenset({1, 2, 3, 4, 5})
+VERSION = 6
+_ACCEPTED = frozenset({1, 2, 3, 4, 5, 6})
 
 
 # The roleplay samplers' fields (DRY, XTC, banned strings; docs/api.md#roleplay-samplers):
@@ -184,6 +184,10 @@ class WorkerStats:
     # v4: whether the replica's engine honours a request's ``seed`` (vLLM's CPU build
     # cannot), so a gateway refuses a seed no replica can honour before queueing it.
     honours_seed: bool = True
+    # v6: the LoRA adapters the replica has loaded: a job whose model is one of them goes
+    # only to a replica that lists it (cluster/wire/queue.py), and a gateway refuses an
+    # adapter no live replica lists.
+    adapters: list[str] = field(default_factory=list)
 
     @property
     def free_slots(self) -> int:

@@ -34,6 +34,13 @@ A lease that is not renewed expires; any live worker then *reclaims* the job (ta
 lease itself, so two workers cannot both requeue it), decides whether to requeue it with
 attempt+1 or dead-letter it, and does so atomically only while it still holds that lease.
 
+**LoRA adapters.** A job whose model is not the base model names a LoRA adapter (vLLM's
+convention: an adapter is served under its own model name); its info records it, and only
+a worker that says it serves that adapter claims it (the others pass over it, within the
+claim's bounded scan). Such a job wakes the adapter's own wake list, which only the
+workers serving it block on. The gateway refuses an adapter no live worker advertises, so
+nothing waits for a worker that does not exist.
+
 Every state change is one Lua script, so a worker that dies between two commands cannot
 leave a job half-claimed. Scripts that write declare it (``#!lua``), so a Redis over its
 ``maxmemory`` refuses them whole before they run: nothing is ever half-written. Times are
@@ -42,6 +49,7 @@ Redis's own clock (``TIME``), so processes on machines with skewed clocks agree.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,7 +90,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 _PRELUDE = (
     NOW_MS_LUA
     + """
--- jobinfo: tenant|class|weight|bytes|flags|max_running|gateway|cost
+-- jobinfo: tenant|class|weight|bytes|flags|max_running|gateway|cost|adapter
 local function parse(raw)
   local f, start = {}, 1
   while true do
@@ -92,7 +100,8 @@ local function parse(raw)
     start = sep + 1
   end
   return {tenant = f[1], class = f[2], weight = tonumber(f[3]), bytes = tonumber(f[4]),
-          flags = f[5], max_running = tonumber(f[6]), gateway = f[7], cost = tonumber(f[8])}
+          flags = f[5], max_running = tonumber(f[6]), gateway = f[7], cost = tonumber(f[8]),
+          adapter = f[9] or ''}
 end
 
 local function info(id)
@@ -180,7 +189,8 @@ _N_COMMON = 17
 _ENQUEUE = _script(
     _COMMON_KEYS,
     """
--- KEYS[18] wake, [19] the preferred worker's wake list, [20] meta, [21] idempotency key
+-- KEYS[18] wake, [19] the preferred worker's wake list, [20] meta, [21] idempotency key,
+-- [22] the wake list of the job's adapter (used when it names one)
 -- ARGV: 2 id, 3 score, 4 body, 5 info, 6 meta, 7 meta_ttl_ms, 8 prefer, 9 prefer_ms,
 -- 10 wake cap, 11 max waiting in all, 12 tenant's max waiting, 13 tenant's max bytes,
 -- 14 idempotency value ('' none), 15 its TTL (ms)
@@ -212,7 +222,12 @@ waiting_add(id, ARGV[3], f)
 if f.class == 'batch' then redis.call('SADD', BATCH, id) end
 if ARGV[6] ~= '' then redis.call('SET', KEYS[20], ARGV[6], 'PX', ARGV[7]) end
 if ARGV[14] ~= '' then redis.call('SET', KEYS[21], ARGV[14], 'PX', ARGV[15]) end
-if ARGV[8] == '' then
+if ARGV[8] == '' and f.adapter ~= '' then
+  -- Only the workers serving its adapter can take it: wake one of them.
+  redis.call('LPUSH', KEYS[22], '1')
+  redis.call('LTRIM', KEYS[22], 0, tonumber(ARGV[10]) - 1)
+  redis.call('PEXPIRE', KEYS[22], 60000)
+elseif ARGV[8] == '' then
   redis.call('LPUSH', KEYS[18], '1')
   redis.call('LTRIM', KEYS[18], 0, tonumber(ARGV[10]) - 1)
 else
@@ -229,9 +244,11 @@ return {'queued', id}
 _CLAIM = _script(
     _COMMON_KEYS,
     """
--- ARGV: 2 worker, 3 want, 4 lease_ms, 5 batch room, 6 the gateway-alive key prefix
--- Returns {now, id, body, id, body, ...}.
+-- ARGV: 2 worker, 3 want, 4 lease_ms, 5 batch room, 6 the gateway-alive key prefix,
+-- 7.. the LoRA adapters this worker serves. Returns {now, id, body, id, body, ...}.
 local worker, want = ARGV[2], tonumber(ARGV[3])
+local serves = {}
+for i = 7, #ARGV do serves[ARGV[i]] = true end
 local expiry = now + tonumber(ARGV[4])
 local batch_room = tonumber(ARGV[5])
 local out = {now}
@@ -276,6 +293,8 @@ local function next_of(class)
         unqueue(id, f)
       elseif f.max_running > 0 and running >= f.max_running then
         break  -- this tenant is at its cap: the next tenant
+      elseif f.adapter ~= '' and not serves[f.adapter] then
+        -- An adapter this worker has not loaded: left for a worker that has.
       elseif mine(id) then
         return id, f
       end
@@ -356,7 +375,8 @@ return out
 _REQUEUE = _script(
     _COMMON_KEYS,
     """
--- KEYS[18] wake. ARGV: 2 id, 3 worker, 4 body, 5 score, 6 wake cap.
+-- KEYS[18] wake. ARGV: 2 id, 3 worker, 4 body, 5 score, 6 wake cap, 7 the adapter wake
+-- list prefix.
 -- Returns 1 (queued again), 0 (the lease is not ours), -1 (cancelled: dropped instead).
 local id = ARGV[2]
 if redis.call('HGET', OWNERS, id) ~= ARGV[3] then return 0 end
@@ -373,12 +393,16 @@ if (not f) or (record and tonumber(record) > now) then
 end
 -- The body changed (what was delivered is in it): its size is the one now charged.
 f.bytes = string.len(ARGV[4])
-local fields = {f.tenant, f.class, f.weight, f.bytes, f.flags, f.max_running, f.gateway, f.cost}
+local fields = {
+  f.tenant, f.class, f.weight, f.bytes, f.flags, f.max_running, f.gateway, f.cost, f.adapter,
+}
 redis.call('HSET', INFO, id, table.concat(fields, '|'))
 redis.call('HSET', JOBS, id, ARGV[4])
 waiting_add(id, ARGV[5], f)
-redis.call('LPUSH', KEYS[18], '1')
-redis.call('LTRIM', KEYS[18], 0, tonumber(ARGV[6]) - 1)
+local wake = KEYS[18]
+if f.adapter ~= '' then wake = ARGV[7] .. f.adapter end
+redis.call('LPUSH', wake, '1')
+redis.call('LTRIM', wake, 0, tonumber(ARGV[6]) - 1)
 return 1
 """,
     frees=True,
@@ -552,10 +576,18 @@ class JobQueue:
     """Enqueue, claim, ack, renew and cancel jobs. One instance per process is enough; it
     holds no state beyond its Redis client and registered scripts."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, policy: QueuePolicy = "edf") -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        policy: QueuePolicy = "edf",
+        base_model: str | None = None,
+    ) -> None:
         self._redis = redis
         self._keys = keys
         self.policy: QueuePolicy = policy
+        # A job for any other model names a LoRA adapter (None: no job does).
+        self._base_model = base_model
         self._enqueue = redis.register_script(_ENQUEUE)
         self._claim = redis.register_script(_CLAIM)
         self._withdraw = redis.register_script(_WITHDRAW)
@@ -582,6 +614,15 @@ class JobQueue:
             *(k.virtual_time(c) for c in _CLASSES),
         ]
         assert len(self._common) == 17
+
+    def adapter(self, job: Job) -> str:
+        """The LoRA adapter ``job`` runs with ('' for the base model): its model, when
+        that is not the base model."""
+        if self._base_model is None or job.model == self._base_model:
+            return ""
+        if "|" in job.model:  # the info record's separator; no adapter name has one
+            raise ValueError(f"not an adapter name: {job.model!r}")
+        return job.model
 
     def score(self, job: Job) -> int:
         """Queue order (lower runs first): deadline for EDF, with every batch job after
@@ -623,6 +664,7 @@ class JobQueue:
         body = protocol.encode(job)
         flags = "r" if resumable else ""
         cost = len(job.prompt_token_ids) + len(job.resume_token_ids)
+        adapter = self.adapter(job)
         info = "|".join(
             str(x)
             for x in (
@@ -634,6 +676,7 @@ class JobQueue:
                 share.max_running,
                 gateway,
                 cost,
+                adapter,
             )
         )
         client_id, digest = idempotency or ("", "")
@@ -644,6 +687,7 @@ class JobQueue:
                 k.wake_for(prefer or ""),
                 k.request_meta(job.id),
                 k.idempotency(job.tenant, client_id),
+                k.wake_for_adapter(adapter),
             ],
             args=[
                 k.tenant_queue_prefix,
@@ -667,10 +711,16 @@ class JobQueue:
         return Enqueued(status, job_id)  # type: ignore[arg-type]
 
     async def claim(
-        self, worker_id: str, max_jobs: int, lease_ms: int, batch_room: int | None = None
+        self,
+        worker_id: str,
+        max_jobs: int,
+        lease_ms: int,
+        batch_room: int | None = None,
+        adapters: Collection[str] = (),
     ) -> Claimed:
         """Atomically take up to ``max_jobs`` jobs (see the module docstring for which)
-        and lease them, at most ``batch_room`` of them batch jobs (None: no cap).
+        and lease them, at most ``batch_room`` of them batch jobs (None: no cap), and of
+        the jobs that name a LoRA adapter only those of ``adapters`` (the worker's).
 
         A body that does not decode comes back as :class:`Poison` (still leased), so the
         caller can dead-letter it instead of letting it block the queue.
@@ -687,6 +737,7 @@ class JobQueue:
                 lease_ms,
                 room,
                 self._keys.gateway_alive_prefix,
+                *sorted(adapters),
             ],
         )
         return Claimed(int(reply[0]), _decode_pairs(reply[1:]))
@@ -717,6 +768,7 @@ class JobQueue:
                 protocol.encode(job),
                 self.score(job),
                 _WAKE_CAP,
+                self._keys.wake_for_adapter_prefix,
             ],
         )
         return {1: "requeued", 0: "lost", -1: "cancelled"}[int(done)]  # type: ignore[return-value]
@@ -732,16 +784,20 @@ class JobQueue:
         return bool(done)
 
     async def wait_for_work(
-        self, redis: aioredis.Redis, timeout_s: float, worker_id: str = ""
+        self,
+        redis: aioredis.Redis,
+        timeout_s: float,
+        worker_id: str = "",
+        adapters: Collection[str] = (),
     ) -> bool:
-        """Block on the wake lists (this worker's own, then the shared one) until an
-        enqueue (True) or the timeout (False).
+        """Block on the wake lists (this worker's own, its ``adapters``', then the shared
+        one) until an enqueue (True) or the timeout (False).
 
         ``redis`` must be a client whose connection may block (a dedicated one).
         """
-        lists = (
-            [self._keys.wake_for(worker_id), self._keys.wake] if worker_id else [self._keys.wake]
-        )
+        lists = [self._keys.wake_for(worker_id)] if worker_id else []
+        lists += [self._keys.wake_for_adapter(a) for a in sorted(adapters)]
+        lists.append(self._keys.wake)
         got = await redis.blpop(lists, timeout=timeout_s)
         return got is not None
 

@@ -28,6 +28,13 @@ class PriorityClass(StrEnum):
 # and still in deadline order among itself.
 BATCH_SCORE_OFFSET = 1 << 50
 
+# A LoRA adapter's name, as a replica's config and a character name it and a request's
+# ``model`` does: a model name on the wire, a Redis key part, and a field of the queue's
+# ``|``-separated job info, so short and plain.
+ADAPTER_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+# Adapters one replica may load: each is listed in every heartbeat and every claim.
+MAX_ADAPTERS = 64
+
 
 class DropReason(StrEnum):
     """Why a request was refused at the door (``X-Charserve-Drop-Reason``)."""

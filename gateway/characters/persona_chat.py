@@ -16,6 +16,11 @@ A session request's ``session_action`` says what it does with the conversation:
 - ``warm``: the conversation so far prefilled on the replica its next turn will prefer,
   so that turn finds it in the prefix cache (the user opened the chat, or is typing);
   nothing is generated beyond one discarded token, nothing recorded.
+
+A character with a LoRA ``adapter`` (its own fine-tune) speaks through it: a turn whose
+``model`` is the base model runs with the speaking character's adapter instead (the
+request's ``model`` becomes the adapter's name, as vLLM serves adapters); a request that
+names an adapter itself keeps it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from cluster.characters.persona import Layout, PromptTooLong, assemble, expand_m
 from gateway.characters.store import Character, CharacterStore, Session, speaker
 from gateway.chat.prompts import TemplateOptions
 from gateway.chat.schemas import ChatCompletionRequest, SessionAction
-from gateway.http.errors import BadRequest, Conflict
+from gateway.http.errors import BadRequest, Conflict, NotFound
 
 log = structlog.get_logger(__name__)
 
@@ -93,8 +98,13 @@ class PersonaChat:
         default_system_prompt: str = "",
         affinity: bool = True,
         layout: Layout = "stable",
+        served_model_name: str = "",
+        adapters: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self._store = store
+        self._served_model_name = served_model_name
+        # The LoRA adapters live workers serve now (the gateway's capacity snapshot).
+        self._adapters = adapters
         self._count = count_tokens
         self._max_model_len = max_model_len
         self._default_system = default_system_prompt
@@ -138,6 +148,7 @@ class PersonaChat:
             character = await self._store.character(tenant, str(character_id))
             history = [{"role": m.role, "content": m.text()} for m in request.messages]
             user_name = request.user_name or request.user or "User"
+        self._speak_through_adapter(request, character)
         memory = f"{MEMORY_LABEL}{session.summary}" if session and session.summary else ""
         try:
             # Off the event loop: lorebook scans and the token counts of the history cut
@@ -191,6 +202,21 @@ class PersonaChat:
             prompt_tokens=assembled.prompt_tokens,
             speaker=speaker(character) if group else None,
         )
+
+    def _speak_through_adapter(self, request: ChatCompletionRequest, character: Character) -> None:
+        """Run a base-model turn with the character's adapter (see the module docstring);
+        404 ``model_not_found`` when no live worker serves that adapter."""
+        adapter = character.adapter
+        if not adapter or request.model != self._served_model_name:
+            return
+        if adapter not in self._adapters():
+            raise NotFound(
+                f"The model `{adapter}` (the LoRA adapter of character {character.id!r}) "
+                "does not exist: no replica serves it now.",
+                param="model",
+                code="model_not_found",
+            )
+        request.model = adapter
 
     @staticmethod
     def _template(request: ChatCompletionRequest) -> TemplateOptions | None:

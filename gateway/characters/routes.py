@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.characters.cards import CardError, parse_card
 from cluster.characters.persona import render_greeting
-from cluster.wire.vocabulary import PriorityClass
+from cluster.wire.vocabulary import ADAPTER_NAME_PATTERN, PriorityClass
 from gateway.characters.schemas import (
     CHARACTER_CREATE_EXTRA,
     CHARACTER_CREATE_RESPONSES,
@@ -123,6 +124,20 @@ MessageIndex = Annotated[int, Path(ge=0, le=100_000)]
 MAX_CARD_UPLOAD_BYTES = 8 * 1024 * 1024
 
 
+def adapter_param(request: Request) -> str:
+    """The ``adapter`` query parameter of a character import ('' when absent): the LoRA
+    adapter the character speaks through, a name in the shape replicas give adapters."""
+    adapter = request.query_params.get("adapter")
+    if adapter is None:
+        return ""
+    if not re.fullmatch(ADAPTER_NAME_PATTERN, adapter):
+        raise BadRequest(
+            f"adapter must be a LoRA adapter's name ({ADAPTER_NAME_PATTERN}), not {adapter[:80]!r}",
+            param="adapter",
+        )
+    return adapter
+
+
 def router() -> APIRouter:
     """The ``/v1/characters`` and ``/v1/sessions`` routes."""
     api = APIRouter()
@@ -154,7 +169,9 @@ def router() -> APIRouter:
             raise CardRejected(exc) from exc
         tenant = tenant_of(request)
         limits = await services(request).auth.limits(tenant)
-        character = await store(request).create_character(tenant, card, limits.max_characters)
+        character = await store(request).create_character(
+            tenant, card, limits.max_characters, adapter_param(request)
+        )
         return character.body()
 
     @api.get("/v1/characters", responses=CHARACTER_LIST_RESPONSES)

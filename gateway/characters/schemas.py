@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from cluster.wire.vocabulary import ADAPTER_NAME_PATTERN
 from gateway.http.openapi import error_responses, ok
 
 
@@ -18,6 +19,10 @@ class CharacterSummary(BaseModel):
     created: int
     name: str
     spec: Literal["chara_card_v1", "chara_card_v2", "chara_card_v3"]
+    adapter: str | None = Field(
+        default=None,
+        description="The LoRA adapter the character's turns run with (absent: the base model).",
+    )
 
 
 class CharacterBody(CharacterSummary):
@@ -133,5 +138,15 @@ CHARACTER_CREATE_EXTRA: dict[str, Any] = {
                 }
             },
         },
-    }
+    },
+    "parameters": [
+        {
+            "name": "adapter",
+            "in": "query",
+            "required": False,
+            "description": "A LoRA adapter the character's turns run with, by the model name "
+            "replicas serve it under (GET /v1/models lists them).",
+            "schema": {"type": "string", "pattern": f"^{ADAPTER_NAME_PATTERN}$"},
+        }
+    ],
 }

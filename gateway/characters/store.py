@@ -45,16 +45,21 @@ class Character:
     id: str
     created: int
     card: Card
+    # The LoRA adapter its turns run with ('' for none: the base model).
+    adapter: str = ""
 
     def summary(self) -> dict[str, Any]:
         """The listing form (no card body)."""
-        return {
+        summary = {
             "id": self.id,
             "object": "character",
             "created": self.created,
             "name": self.card.name,
             "spec": self.card.spec,
         }
+        if self.adapter:
+            summary["adapter"] = self.adapter
+        return summary
 
     def body(self) -> dict[str, Any]:
         """The full form, with the card document exactly as imported."""
@@ -70,7 +75,8 @@ def _parse(raw: bytes) -> Character:
     """A stored character record, parsed once (a card is up to 2 MiB of JSON, and a
     session's every turn reads it)."""
     record = json.loads(raw)
-    return Character(record["id"], record["created"], parse_card_json(record["card"]))
+    card = parse_card_json(record["card"])
+    return Character(record["id"], record["created"], card, record.get("adapter", ""))
 
 
 async def _character(raw: bytes) -> Character:
@@ -318,11 +324,19 @@ class CharacterStore:
         self._claim_summary = redis.register_script(_CLAIM_SUMMARY)
         self._record_summary = redis.register_script(_RECORD_SUMMARY)
 
-    async def create_character(self, tenant: str, card: Card, max_characters: int = 0) -> Character:
+    async def create_character(
+        self, tenant: str, card: Card, max_characters: int = 0, adapter: str = ""
+    ) -> Character:
         """Store ``card`` as a new character (:class:`QuotaExceeded` past
-        ``max_characters``)."""
-        character = Character(f"char_{secrets.token_hex(8)}", int(time.time()), card)
-        record = {"id": character.id, "created": character.created, "card": card.to_json()}
+        ``max_characters``), speaking through LoRA ``adapter`` if one is named."""
+        character = Character(f"char_{secrets.token_hex(8)}", int(time.time()), card, adapter)
+        record: dict[str, Any] = {
+            "id": character.id,
+            "created": character.created,
+            "card": card.to_json(),
+        }
+        if adapter:
+            record["adapter"] = adapter
         summary = character.summary()
         added = await self._add_character(
             keys=[self._keys.characters(tenant), self._keys.character_index(tenant)],

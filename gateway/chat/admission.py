@@ -24,7 +24,7 @@ from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
 from cluster.wire.vocabulary import DropReason, PriorityClass
 from gateway.chat.capacity import Capacity, CapacityView
-from gateway.http.errors import APIError, BadRequest, refused
+from gateway.http.errors import APIError, BadRequest, NotFound, refused
 from gateway.metrics import GatewayMetrics
 
 
@@ -38,6 +38,12 @@ class Admission:
 
 
 MAX_BUDGET_MS = 365 * 86_400_000
+
+
+def serves_model(served_model_name: str, adapters: frozenset[str], model: str) -> bool:
+    """Whether ``model`` names the base model or an advertised LoRA adapter (vLLM's
+    convention: an adapter is served under its own model name)."""
+    return model == served_model_name or model in adapters
 
 
 def classify(
@@ -140,6 +146,19 @@ class Admitter:
     def honours_seed(self) -> bool:
         """False when a live worker cannot honour a ``seed`` (the latest snapshot)."""
         return self._view.current.honours_seed
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters some live worker serves (the latest snapshot)."""
+        return self._view.current.adapters
+
+    def check_model(self, model: str) -> None:
+        """404 ``model_not_found`` unless ``model`` is the served model or a LoRA adapter
+        a live worker has loaded (a job for any other could never be claimed)."""
+        if not serves_model(self._settings.served_model_name, self.adapters, model):
+            raise NotFound(
+                f"The model `{model[:200]}` does not exist.", param="model", code="model_not_found"
+            )
 
     def free_by_worker(self) -> dict[str, int]:
         """Free slots of each live worker, from the latest snapshot."""

@@ -40,6 +40,8 @@ class Capacity:
     free_by_worker: dict[str, int] = field(default_factory=dict)
     # False when a live worker cannot honour a seed (any worker may claim a job).
     honours_seed: bool = True
+    # The LoRA adapters some live worker has loaded (a request may name one as its model).
+    adapters: frozenset[str] = frozenset()
 
 
 def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
@@ -58,6 +60,7 @@ def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
         taken_at_s=now_s,
         free_by_worker={s.worker_id: s.free_slots for s in live},
         honours_seed=all(s.honours_seed for s in live),
+        adapters=frozenset(a for s in live for a in s.adapters),
     )
 
 

@@ -143,6 +143,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    # A LoRA adapter's base model (vLLM's listing); None for the base model itself.
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

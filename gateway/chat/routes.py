@@ -19,7 +19,7 @@ from gateway.chat.responses import (
 )
 from gateway.chat.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.chat.service import ChatContext
-from gateway.chat.tokenize import model_card
+from gateway.chat.tokenize import model_cards
 from gateway.http.context import client_request_id, flag, request_id, tenant
 from gateway.services import services
 from gateway.streaming.resume import parse_last_event_id, replay
@@ -101,11 +101,8 @@ def router() -> APIRouter:
 
     @api.get("/v1/models", responses=MODELS_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
-        """The served model, as OpenAI lists models."""
-        settings = services(request).settings
-        return {
-            "object": "list",
-            "data": [model_card(settings.served_model_name, settings.max_model_len)],
-        }
+        """The served model and the LoRA adapters live replicas serve, as vLLM lists
+        them (an adapter's ``parent`` is the base model)."""
+        return {"object": "list", "data": model_cards(request)}
 
     return api

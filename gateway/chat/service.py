@@ -64,7 +64,6 @@ from gateway.http.errors import (
     BadRequest,
     Conflict,
     GatewayTimeout,
-    NotFound,
     PermissionDenied,
     TooManyRequests,
     from_worker,
@@ -454,12 +453,7 @@ class ChatService:
 
     def check(self, request: SamplingRequest) -> None:
         """Reject what this server cannot do, with the field at fault."""
-        if request.model != self._settings.served_model_name:
-            raise NotFound(
-                f"The model `{request.model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
+        self._admitter.check_model(request.model)
         if request.n > self._settings.max_choices:
             raise BadRequest(
                 f"n is at most {self._settings.max_choices} on this server, got {request.n}",

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.chat.admission import serves_model
 from gateway.chat.prompts import (
     ON_LOOP_CHARS,
     PromptBuilder,
@@ -66,22 +67,36 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def model_card(name: str, max_model_len: int) -> dict[str, Any]:
-    """The served model as OpenAI describes a model (with vLLM's ``max_model_len``)."""
-    return {
+def model_card(name: str, max_model_len: int, parent: str | None = None) -> dict[str, Any]:
+    """A served model as OpenAI describes a model (with vLLM's ``max_model_len``); a LoRA
+    adapter has the base model as its ``parent``, as vLLM lists it."""
+    card: dict[str, Any] = {
         "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "charserve",
         "max_model_len": max_model_len,
     }
+    if parent is not None:
+        card["parent"] = parent
+    return card
+
+
+def model_cards(request: Request) -> list[dict[str, Any]]:
+    """The served model, then the LoRA adapters some live replica serves, by name."""
+    s = services(request)
+    base, length = s.settings.served_model_name, s.settings.max_model_len
+    adapters = sorted(s.capacity.current.adapters)
+    return [model_card(base, length), *(model_card(a, length, base) for a in adapters)]
 
 
 def _check_model(request: Request, model: str | None) -> None:
-    served = services(request).settings.served_model_name
-    if model is not None and model != served:
+    s = services(request)
+    if model is not None and not serves_model(
+        s.settings.served_model_name, s.capacity.current.adapters, model
+    ):
         raise NotFound(
-            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            f"The model `{model[:200]}` does not exist.", param="model", code="model_not_found"
         )
 
 
@@ -164,12 +179,8 @@ def router() -> APIRouter:
         responses={**ok(ModelCard, "The model."), **error_responses(404)},
     )
     async def model(model_id: str, request: Request) -> dict[str, Any]:
-        """One served model (the openai client's ``models.retrieve``)."""
-        settings = services(request).settings
-        if model_id != settings.served_model_name:
-            raise NotFound(
-                f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
-            )
-        return model_card(settings.served_model_name, settings.max_model_len)
+        """One served model or LoRA adapter (the openai client's ``models.retrieve``)."""
+        _check_model(request, model_id)
+        return next(card for card in model_cards(request) if card["id"] == model_id)
 
     return api

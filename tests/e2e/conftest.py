@@ -1,7 +1,9 @@
 """The full stack for end-to-end tests: ``charserve up`` as a real subprocess (Ray, the
 Serve deployment with the vLLM CPU engine and the bundled model, the gateway), against a
 redis-server this session owns so tests can look inside it. One stack per test session;
-stopping it must leave no process behind."""
+stopping it must leave no process behind. A module that needs another configuration
+starts its own with :func:`start_stack`, which stops the one running first: one engine at
+a time."""
 
 from __future__ import annotations
 
@@ -90,9 +92,15 @@ def _wait_ready(stack: Stack) -> None:
     raise TimeoutError("the stack did not become ready:\n" + stack.log_path.read_text()[-4000:])
 
 
-@pytest.fixture(scope="session")
-def stack(redis_url: str) -> Iterator[Stack]:
-    """``charserve up`` on a free port, ready to serve."""
+# The stacks started and not yet stopped (at most one: see start_stack).
+_LIVE: list[Stack] = []
+
+
+def start_stack(redis_url: str, **env_vars: str) -> Stack:
+    """``charserve up`` on a free port with ``env_vars`` set, ready to serve; any stack
+    still running is stopped first (one engine at a time on this machine)."""
+    while _LIVE:
+        _LIVE.pop().stop()
     port = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="charserve-e2e-"))
     log_path = log_dir / "up.log"
@@ -101,6 +109,7 @@ def stack(redis_url: str) -> Iterator[Stack]:
         "CHARSERVE_PORT": str(port),
         "CHARSERVE_REDIS_URL": redis_url,
         "CHARSERVE_LOG_FORMAT": "json",
+        **env_vars,
     }
     env.pop("RAY_ADDRESS", None)
     with log_path.open("wb") as log:
@@ -112,8 +121,20 @@ def stack(redis_url: str) -> Iterator[Stack]:
             stderr=subprocess.STDOUT,
         )
     s = Stack(f"http://127.0.0.1:{port}", redis_url, proc, log_path)
+    _LIVE.append(s)
     try:
         _wait_ready(s)
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url: str) -> Iterator[Stack]:
+    """``charserve up`` on a free port, ready to serve."""
+    s = start_stack(redis_url)
+    try:
         yield s
     finally:
         s.stop()

@@ -58,6 +58,11 @@ class Engine(Protocol):
         """Whether a job's ``seed`` makes its sampling reproducible on this engine."""
         ...
 
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters loaded (a job whose model is one of them runs with it)."""
+        ...
+
     def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         """Stream the reply to ``job``; cancelling the iteration aborts the request."""
         ...

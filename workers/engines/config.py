@@ -17,10 +17,14 @@ import copy
 import dataclasses
 import difflib
 import json
+import re
 import types
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.wire.vocabulary import ADAPTER_NAME_PATTERN, MAX_ADAPTERS
 
 # How EngineConfig.batch_prefill_tokens reaches the scheduler in vLLM's engine core process.
 BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
@@ -281,6 +285,68 @@ class EngineConfig(BaseModel):
         "keywords the typed fields set.",
     )
 
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters this replica serves: name -> local folder in PEFT's "
+        "format. A request whose model is a name here runs with that adapter, on a replica "
+        "that loaded it. Needs engine_args.enable_lora; at most max_cpu_loras (else "
+        "max_loras, vLLM's default 1) of them; loaded when the replica starts.",
+    )
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _check_adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        """Names a request can spell as its model; local paths (never a hub id)."""
+        if len(adapters) > MAX_ADAPTERS:
+            raise ValueError(f"at most {MAX_ADAPTERS} LoRA adapters per replica")
+        for name, path in adapters.items():
+            if not re.fullmatch(ADAPTER_NAME_PATTERN, name):
+                raise ValueError(
+                    f"LoRA adapter name {name[:80]!r} must match {ADAPTER_NAME_PATTERN}"
+                )
+            if not path or not Path(path).is_absolute():
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {path!r} is not an absolute local path "
+                    "(adapters are never downloaded at run time)"
+                )
+        return adapters
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineConfig:
+        """An adapter needs LoRA on, a name apart from the base model's, and room."""
+        if not self.lora_adapters:
+            return self
+        if self.engine_args.get("enable_lora") is not True:
+            raise ValueError("lora_adapters needs engine_args.enable_lora: true")
+        if self.served_model_name in self.lora_adapters:
+            raise ValueError(
+                f"LoRA adapter name {self.served_model_name!r} is the served model's name"
+            )
+        room = self.adapter_room()
+        if len(self.lora_adapters) > room:
+            raise ValueError(
+                f"{len(self.lora_adapters)} LoRA adapters, but vLLM keeps at most {room} "
+                "loaded (engine_args.max_cpu_loras, else max_loras): raise it"
+            )
+        return self
+
+    def adapter_room(self) -> int:
+        """How many adapters vLLM keeps loaded: ``max_cpu_loras``, else ``max_loras``
+        (vLLM's default: 1)."""
+        room = self.engine_args.get("max_cpu_loras") or self.engine_args.get("max_loras") or 1
+        return int(room)
+
+    def adapter_paths(self) -> dict[str, Path]:
+        """The adapters' folders, checked to hold an adapter (at the replica's start: the
+        machine that deploys may not have them)."""
+        paths: dict[str, Path] = {}
+        for name, path in self.lora_adapters.items():
+            folder = Path(path)
+            if not (folder / "adapter_config.json").is_file():
+                raise ValueError(f"LoRA adapter {name!r}: {folder} has no adapter_config.json")
+            paths[name] = folder
+        return paths
+
     @field_validator("engine_args")
     @classmethod
     def _check_engine_args(cls, engine_args: dict[str, Any]) -> dict[str, Any]:
@@ -427,4 +493,6 @@ class EngineConfig(BaseModel):
             args += ["--distributed-executor-backend", self.distributed_executor_backend]
         for name, value in self.engine_args.items():
             args += _cli_flags(name, value)
+        if self.lora_adapters:
+            args += ["--lora-modules", *(f"{n}={p}" for n, p in self.lora_adapters.items())]
         return args

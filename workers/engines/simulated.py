@@ -82,6 +82,10 @@ class SimulatedEngine:
     def honours_seed(self) -> bool:
         return True  # its text is a function of the job alone
 
+    @property
+    def adapters(self) -> frozenset[str]:
+        return frozenset()  # no model, so no adapters
+
     async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
         outputs: asyncio.Queue[EngineOutput] = asyncio.Queue()
         state = self._admit(job, outputs.put_nowait)

@@ -3,6 +3,10 @@ production always runs (continuous batching, prefix caching, priority scheduling
 
 The gateway applies the chat template and sends token ids, so the engine skips
 tokenisation; vLLM still detokenises incrementally and hands back text deltas.
+
+LoRA adapters (``engine.lora_adapters``) are loaded by :meth:`VllmEngine.load_adapters`
+when the replica starts, so no request pays for a load; a job whose model is one of their
+names runs with it (the queue gives such a job only to a replica that loaded it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from workers.engines.config import EngineConfig
 from workers.errors import InvalidJobError
 
 if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
     from workers.engines.samplers import SamplerTokens
 
 log = structlog.get_logger(__name__)
@@ -64,6 +70,9 @@ class VllmEngine:
 
         started = time.monotonic()
         self._config = config
+        # Checked before the engine starts: a missing adapter fails the replica at once.
+        self._adapter_paths = config.adapter_paths()
+        self._loras: dict[str, LoRARequest] = {}
         engine_args = AsyncEngineArgs(
             **config.engine_kwargs(model_path, charserve_scheduler=True, samplers=True)
         )
@@ -98,6 +107,27 @@ class VllmEngine:
     @property
     def max_slots(self) -> int:
         return self._config.max_num_seqs
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        return frozenset(self._loras)
+
+    async def load_adapters(self) -> None:
+        """Load every configured LoRA adapter into the engine (ids 1.. in name order)."""
+        from vllm.lora.request import LoRARequest
+
+        for lora_id, name in enumerate(sorted(self._adapter_paths), start=1):
+            request = LoRARequest(name, lora_id, str(self._adapter_paths[name]))
+            started = time.monotonic()
+            if not await self._llm.add_lora(request):
+                raise RuntimeError(f"vLLM did not load LoRA adapter {name!r}")
+            self._loras[name] = request
+            log.info(
+                "lora adapter loaded",
+                adapter=name,
+                path=request.lora_path,
+                load_s=round(time.monotonic() - started, 2),
+            )
 
     @property
     def honours_seed(self) -> bool:
@@ -145,6 +175,7 @@ class VllmEngine:
             params,
             job.id,
             priority=priority,
+            lora_request=self._loras.get(job.model),
             trace_headers={"traceparent": job.traceparent} if traced else None,
         )
         try:

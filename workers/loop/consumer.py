@@ -234,14 +234,17 @@ class Consumer:
             )
             try:
                 claimed = await self._queue.claim(
-                    self.worker_id, free, self._config.lease_ms, batch_room
+                    self.worker_id, free, self._config.lease_ms, batch_room, self._engine.adapters
                 )
                 self._clock.observe(claimed.now_ms)
                 if not claimed.jobs:
                     # Wake on an enqueue, or when paced batch work may start again.
                     wait_s = self._pacer.wait_s() or 1.0
                     await self._queue.wait_for_work(
-                        self._blocking, timeout_s=min(1.0, wait_s), worker_id=self.worker_id
+                        self._blocking,
+                        timeout_s=min(1.0, wait_s),
+                        worker_id=self.worker_id,
+                        adapters=self._engine.adapters,
                     )
                     continue
             except RedisError as exc:
@@ -556,6 +559,7 @@ class Consumer:
             prefill_ms=self._reported_prefill_ms(now_s),
             prefill_ms_per_token=self._prefill_per_token,
             honours_seed=self._engine.honours_seed,
+            adapters=sorted(self._engine.adapters),
         )
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
