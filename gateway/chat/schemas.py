@@ -60,7 +60,6 @@ REFUSED_FIELDS: dict[str, str] = {
     "functions": "function calling is not served (and deprecated by OpenAI for tools)",
     "function_call": "function calling is not served (and deprecated by OpenAI for tools)",
     "prompt_logprobs": "log probabilities are not returned by this server yet",
-    "echo": "echo is not served (send the prompt back from your own copy)",
     "suffix": "insertion (a suffix after the completion) is not served by this model",
     "audio": "this model produces text only",
     "modalities": "this model produces text only",
@@ -91,7 +90,6 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 # Values of a refused field that ask for nothing, so a client that sends them is served.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "store": (False,),
     "use_beam_search": (False,),
     "return_tokens_as_token_ids": (False,),
@@ -310,6 +308,9 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = Field(default=None, max_length=256)  # logged with the request
+    # The prompt (a text completion's) or the last assistant message (a chat's) in front
+    # of the reply, as vLLM's echo.
+    echo: bool | None = None
     # vLLM's extra samplers.
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -585,6 +586,8 @@ class ChatCompletionRequest(SamplingRequest):
         if effective_choice(self.tools, self.tool_choice) not in (None, "none"):
             if self.logprobs:
                 return ("logprobs", "logprobs are not served with tool calls")
+            if self.echo:
+                return ("echo", "echo is not served with tool calls")
             if self.session_id is not None or self.character_id is not None:
                 return ("tools", "tools are not served in persona chats (session, character)")
         if self.speaker is not None and self.session_id is None:
@@ -635,6 +638,15 @@ class CompletionRequest(SamplingRequest):
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def _contradiction(self) -> tuple[str, str] | None:
+        if self.echo and self.logprobs is not None:
+            return (
+                "echo",
+                "echo with logprobs needs the prompt's logprobs, which are not served; ask "
+                "one or the other",
+            )
+        return None
 
 
 def _webui_breakers(text: str) -> list[Any]:

@@ -191,7 +191,10 @@ class ChatService:
             )
         turn = await self._persona_turn(request, ctx.tenant)
         prompt = await self._build_prompt(request, turn)
-        return await self._serve(request, prompt, ctx, "chat", turn, trace, tools)
+        echo = ""
+        if request.echo and request.messages and request.messages[-1].role == "assistant":
+            echo = request.messages[-1].text()  # vLLM's echo: the reply's own role only
+        return await self._serve(request, prompt, ctx, "chat", turn, trace, tools, echo)
 
     async def complete_text(self, request: CompletionRequest, ctx: ChatContext) -> Response:
         """Run one text completion (``/v1/completions``) end to end, through the same
@@ -209,7 +212,13 @@ class ChatService:
             prompt = await asyncio.to_thread(self._prompts.build_text, request)
         else:
             prompt = self._prompts.build_text(request)
-        return await self._serve(request, prompt, ctx, "text", None, trace)
+        echo = ""
+        if request.echo:
+            prompt_text = request.prompt
+            echo = (
+                prompt_text if isinstance(prompt_text, str) else self._prompts.decode(prompt_text)
+            )
+        return await self._serve(request, prompt, ctx, "text", None, trace, echo=echo)
 
     def _begin_trace(
         self, operation: str, request: SamplingRequest, ctx: ChatContext
@@ -241,9 +250,10 @@ class ChatService:
         turn: PersonaTurn | None,
         trace: Trace | None = None,
         tools: ToolMode | None = None,
+        echo: str = "",
     ) -> Response:
         """Charge, admit, enqueue and relay one request's reply, as ``kind`` frames it
-        (and ``tools`` shapes it)."""
+        (``tools`` shapes it, ``echo`` goes in front of it)."""
         admitting_ns = time.time_ns() if trace is not None else 0
         if request.n > 1:
             _choices_allowed(ctx, turn)
@@ -286,6 +296,7 @@ class ChatService:
             request.continuous_usage,
             kind,
             tools,
+            echo,
         )
         share = Share(
             limits.weight, limits.max_waiting, limits.max_waiting_bytes, limits.max_running
@@ -321,6 +332,7 @@ class ChatService:
                     continuous_usage=meta.continuous_usage,
                     kind=kind,
                     tools=tools,
+                    echo=echo,
                 )
                 on_complete = self._recorder(turn) if turn else None
                 return call.stream(first, fmt, ctx.raw_send, on_complete, rate, keepalive_s)
@@ -397,6 +409,7 @@ class ChatService:
                         kind=meta.kind,
                         index=i,
                         tools=meta.tools,
+                        echo=meta.echo,
                         usage_last=False,
                     )
                     for i in range(request.n)
@@ -413,7 +426,13 @@ class ChatService:
             choices.end(Outcome.TIMEOUT if isinstance(exc, GatewayTimeout) else Outcome.ERROR)
             raise
         body = whole_body(
-            meta.kind, meta.completion_id, meta.model, meta.created, replies, meta.tools
+            meta.kind,
+            meta.completion_id,
+            meta.model,
+            meta.created,
+            replies,
+            meta.tools,
+            meta.echo,
         )
         return ReplyResponse(body, headers=headers)
 

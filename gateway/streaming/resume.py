@@ -51,6 +51,7 @@ class RequestMeta:
     continuous_usage: bool = False  # usage so far on every chunk
     kind: ReplyKind = "chat"  # a chat completion, or a text completion
     tools: ToolMode | None = None  # how a chat's reply becomes tool calls
+    echo: str = ""  # the text in front of the reply (the request's echo)
 
     def encode(self) -> bytes:
         """JSON for Redis."""
@@ -67,7 +68,13 @@ class RequestMeta:
 def reply_body(meta: RequestMeta, text: str, final: Chunk) -> dict[str, Any]:
     """The whole (non-streamed) reply's body, as its kind frames it."""
     return whole_body(
-        meta.kind, meta.completion_id, meta.model, meta.created, [(text, final)], meta.tools
+        meta.kind,
+        meta.completion_id,
+        meta.model,
+        meta.created,
+        [(text, final)],
+        meta.tools,
+        meta.echo,
     )
 
 
@@ -152,6 +159,7 @@ async def replay(
         continuous_usage=meta.continuous_usage,
         kind=meta.kind,
         tools=meta.tools,
+        echo=meta.echo if after_seq == 0 else "",
     )
     lead = b""  # after keep-alives, KEEPALIVE_END goes with the next event (see sse.py)
     sent_s = time.monotonic()

@@ -113,6 +113,8 @@ class ChunkFormatter:
     # Whether the usage chunk (include_usage) follows this choice's final chunk; False for
     # one choice of several, after whose last the request's usage comes once.
     usage_last: bool = True
+    # Text in front of the reply's first piece (echo), sent once.
+    echo: str = ""
     # How the reply becomes tool calls (None: it is content), for a chat with tools.
     tools: ToolMode | None = None
     _tool_stream: ToolStream | None = None
@@ -123,7 +125,8 @@ class ChunkFormatter:
 
     def __post_init__(self) -> None:
         if self.kind == "text":
-            self.role_sent = True  # a text completion has no role to send
+            # A text completion has no role to send; its first event carries any echo.
+            self.role_sent = not self.echo
         elif self.tools is not None:
             self._tool_stream = ToolStream(self.tools, self.completion_id, self.index)
         marker = "\x00text\x00"
@@ -203,12 +206,11 @@ class ChunkFormatter:
             return self._tool_events(self._tool_stream, chunk)
         out = b""
         so_far = usage(chunk) if self.continuous_usage else None
-        if chunk.text or not self.role_sent:
-            choice = self._choice(
-                chunk.text, None, role=not self.role_sent, logprobs=chunk.logprobs
-            )
+        text, self.echo = self.echo + chunk.text, ""
+        if text or not self.role_sent:
+            choice = self._choice(text, None, role=not self.role_sent, logprobs=chunk.logprobs)
             # Offsets matter only with logprobs, whose chunks never take the fast path.
-            self._offset += len(chunk.text)
+            self._offset += len(text)
             self.role_sent = True
             out += self._event(chunk.seq, [choice], so_far)
         if chunk.is_final:
@@ -304,10 +306,11 @@ def whole_body(
     created: int,
     replies: Sequence[tuple[str, Chunk]],
     tools: ToolMode | None = None,
+    echo: str = "",
 ) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` or ``text_completion`` response: one choice
     per reply (its text and its final chunk), in order; with ``tools``, a chat reply's
-    text as tool calls where it makes them."""
+    text as tool calls where it makes them; with ``echo``, that text in front of each."""
     choice = _text_choice if kind == "text" else _chat_choice
     if tools is not None and kind == "chat":
 
@@ -320,6 +323,6 @@ def whole_body(
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [choice(i, text, final) for i, (text, final) in enumerate(replies)],
+        "choices": [choice(i, echo + text, final) for i, (text, final) in enumerate(replies)],
         "usage": summed_usage([final for _, final in replies]),
     }

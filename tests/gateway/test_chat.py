@@ -430,3 +430,32 @@ async def test_models_health_ready_and_unknown_routes(http: httpx.AsyncClient) -
     missing = await http.get("/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
     assert missing.headers["x-request-id"]
+
+
+async def test_echo_puts_the_last_assistant_message_in_front(http: httpx.AsyncClient) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "Well,"}]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 2,
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    whole = await http.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["message"]["content"] == "Well, t0 t1"
+    streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(d) for _, d in sse_events(streamed.text)[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Well, t0"}
+    # The last message is the user's: nothing of the reply's role to echo.
+    plain = await http.post(
+        "/v1/chat/completions",
+        json={
+            **body,
+            "messages": MESSAGES,
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+        },
+    )
+    assert plain.json()["choices"][0]["message"]["content"] == " t0 t1"

@@ -99,7 +99,7 @@ async def test_a_resumable_completion_resumes_as_a_completion(http: httpx.AsyncC
     ("fields", "status", "param"),
     [
         ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
-        ({"prompt": "x", "echo": True}, 400, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
         ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),
         ({"prompt": "x", "messages": []}, 400, "messages"),
         ({"prompt": ""}, 400, "prompt"),
@@ -130,3 +130,21 @@ async def test_streamed_logprobs_offsets_count_from_the_completions_start(
         for o in c["choices"][0]["logprobs"]["text_offset"]
     ]
     assert offsets == [0, 3, 6]  # " t0", " t1", " t2"
+
+
+async def test_echo_puts_the_prompt_in_front_streamed_and_whole(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "prompt": "Hi there", "max_tokens": 2, "echo": True}
+    whole = await http.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["text"] == "Hi there t0 t1"
+    assert whole.json()["usage"]["completion_tokens"] == 2
+    streamed = await http.post("/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(d) for _, d in sse_events(streamed.text)[:-1]]
+    assert chunks[0]["choices"][0]["text"].startswith("Hi there")
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hi there t0 t1"
+    # Token ids are echoed as their text.
+    ids = (await http.post("/tokenize", json={"model": MODEL, "prompt": "Hi there"})).json()
+    by_ids = await http.post(
+        "/v1/completions", json={**body, "prompt": ids["tokens"], "add_special_tokens": False}
+    )
+    assert by_ids.json()["choices"][0]["text"].endswith("Hi there t0 t1")
