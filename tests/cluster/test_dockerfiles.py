@@ -7,7 +7,8 @@ versions and tags they share with the rest of the repository.
   of the build context by ``.dockerignore``; every package setuptools installs copied.
 - The gateway image installs no extra but ``tracing`` (OpenTelemetry's SDK and OTLP
   exporter), so neither torch nor vLLM; the worker image installs
-  the gpu extra; both resolve the base dependencies against ``constraints.txt``.
+  the gpu extra at the versions in ``constraints-gpu.txt``; both resolve the base
+  dependencies against ``constraints.txt`` (``test_locks.py`` checks the locks agree).
 - One version of each thing: RAY_VERSION's default is ``rayVersion`` in
   ``ray-configs/rayservice.yaml`` and Ray's pin in ``constraints.txt``; CHARSERVE_VERSION's
   default is the project version; the manifest runs the tags ``docs/operators.md`` builds.
@@ -347,6 +348,9 @@ def test_each_image_copies_what_its_install_builds_from(path: Path) -> None:
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied  # else the wheel silently lacks a package
     assert {"pyproject.toml", project["project"]["readme"], "constraints.txt"} <= copied
+    # Every constraints file an install names is in the image before that install runs.
+    named = {_constraints_file(words) for words in _pip_installs(path)} - {None}
+    assert named <= copied, f"{path.name}: pip -c {sorted(named - copied)} never copied"
 
 
 def test_the_build_context_leaves_out_what_no_image_needs() -> None:
@@ -365,7 +369,13 @@ def test_the_build_context_leaves_out_what_no_image_needs() -> None:
         "cluster/secret.pem",
     ]:
         assert _excluded(path), path
-    for path in ["pyproject.toml", "README.md", "constraints.txt", "cluster/ops/cli.py"]:
+    for path in [
+        "pyproject.toml",
+        "README.md",
+        "constraints.txt",
+        "constraints-gpu.txt",
+        "cluster/ops/cli.py",
+    ]:
         assert not _excluded(path), path
 
 
@@ -392,6 +402,10 @@ def test_the_gateway_image_installs_neither_torch_nor_vllm() -> None:
 def test_the_worker_image_installs_the_gpu_extra_and_cuda_vllm() -> None:
     requirements = [r for words in _pip_installs(WORKER) for r in _requirements(words)]
     assert ".[gpu]" in requirements
+    # At the locked CUDA set: each install that brings the gpu extra is constrained by it.
+    for words in _pip_installs(WORKER):
+        if any("gpu" in r for r in _requirements(words)):
+            assert _constraints_file(words) == "constraints-gpu.txt", words
     extras = _pyproject()["project"]["optional-dependencies"]
     for requirement in requirements:
         named = re.fullmatch(r"\.\[([\w,-]+)\]", requirement)
