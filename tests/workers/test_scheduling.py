@@ -24,7 +24,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from workers.engines.base import BATCH_PRIORITY_BASE
-from workers.engines.config import BATCH_PREFILL_ENV
+from workers.engines.config import BATCH_PREFILL_ENV, SPIN_ENV
 from workers.engines.scheduler import (
     MAX_YIELD_STEPS,
     LatencyFirstAsyncScheduler,
@@ -191,13 +191,19 @@ def test_without_batch_work_it_schedules_like_vllm(model_path: str) -> None:
         assert step(ours) == step(theirs)
 
 
-def test_the_hook_builds_the_synchronous_variant_on_the_cpu(model_path: str) -> None:
+def test_the_hook_builds_the_synchronous_variant_on_the_cpu(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hook would change how this process's vLLM queues wait (engine_wait.py).
+    monkeypatch.setenv(SPIN_ENV, "1")
     assert isinstance(make_scheduler(model_path, latency_first_scheduler), LatencyFirstScheduler)
 
 
 def test_the_hook_builds_the_asynchronous_variant_where_vllm_schedules_asynchronously(
-    model_path: str,
+    model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(SPIN_ENV, "1")
+
     def hook(*, vllm_config: VllmConfig, **kwargs: object) -> Scheduler:
         vllm_config.scheduler_config.async_scheduling = True
         return latency_first_scheduler(vllm_config=vllm_config, **kwargs)

@@ -28,6 +28,8 @@ from cluster.wire.vocabulary import ADAPTER_NAME_PATTERN, MAX_ADAPTERS
 
 # How EngineConfig.batch_prefill_tokens reaches the scheduler in vLLM's engine core process.
 BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
+# How EngineConfig.engine_core_spin reaches it (workers/engines/engine_wait.py reads it).
+SPIN_ENV = "CHARSERVE_ENGINE_CORE_SPIN"
 
 # The roleplay samplers (DRY, XTC, banned strings: workers/engines/samplers.py), as vLLM's
 # ``logits_processors`` engine argument takes them (``module:Class``), in the order vLLM
@@ -276,6 +278,13 @@ class EngineConfig(BaseModel):
         "hold besides its decodes, which bounds the step an arriving interactive request "
         "waits behind (0: up to max_num_batched_tokens).",
     )
+    engine_core_spin: bool | None = Field(
+        default=None,
+        description="With latency_first_steps: let vLLM's engine core spin while its model "
+        "worker runs a step, as vLLM does (off: it polls with 0.2 ms sleeps, leaving the "
+        "core to the gateway, the replica and Redis; workers/engines/engine_wait.py). "
+        "None: spin on CUDA (cores to spare), sleep on the CPU.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM EngineArgs keyword, passed to vLLM as given "
@@ -435,11 +444,18 @@ class EngineConfig(BaseModel):
             kwargs["distributed_executor_backend"] = backend
         return kwargs
 
+    def spins(self) -> bool:
+        """Whether vLLM's engine core spins while its model worker runs a step."""
+        if self.engine_core_spin is None:
+            return self.device != "cpu"
+        return self.engine_core_spin
+
     def env(self) -> dict[str, str]:
         """Environment variables the engine process needs."""
         env = {
             "VLLM_CONFIGURE_LOGGING": "0",
             BATCH_PREFILL_ENV: str(self.batch_prefill_tokens),
+            SPIN_ENV: "1" if self.spins() else "0",
         }
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"

@@ -49,6 +49,7 @@ from cluster.errors import ConfigError
 from cluster.runtime.introspect import missing_names
 from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV
+from workers.engines.engine_wait import spin_wanted, stop_spinning
 
 # Consecutive steps batch work may be held back before ordinary steps resume.
 MAX_YIELD_STEPS = 8
@@ -207,6 +208,9 @@ def latency_first_scheduler(*, vllm_config: VllmConfig, **kwargs: Any) -> Schedu
     here, when the engine core builds its scheduler.
     """
     check_scheduler_api()
+    if not spin_wanted():
+        # Built after the executor: its queue readers exist, and poll with sleeps from now on.
+        stop_spinning()
     if vllm_config.scheduler_config.async_scheduling:
         return LatencyFirstAsyncScheduler(vllm_config=vllm_config, **kwargs)
     return LatencyFirstScheduler(vllm_config=vllm_config, **kwargs)

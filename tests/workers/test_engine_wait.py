@@ -1,0 +1,110 @@
+"""How vLLM's engine core waits for its model worker (workers/engines/engine_wait.py).
+
+The patch is applied to stand-in classes shaped like vLLM's ``SpinCondition`` (applying it
+to vLLM's own class would change it for every later test in the session); one test checks
+the installed vLLM still has what it relies on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from workers.engines import engine_wait
+from workers.engines.config import SPIN_ENV, EngineConfig
+
+
+def _condition_class() -> type:
+    """A class shaped like vLLM's SpinCondition: wait() spins while the last read is
+    younger than busy_loop_s, else waits on its socket (recorded here)."""
+
+    class Condition:
+        def __init__(self, busy_loop_s: float = 1.0) -> None:
+            self.busy_loop_s = busy_loop_s
+            self.last_read = time.monotonic()
+            self.waits: list[str] = []
+
+        def wait(self, timeout_ms: int | None = None) -> None:
+            if time.monotonic() <= self.last_read + self.busy_loop_s:
+                self.waits.append("spin")
+            else:
+                self.waits.append(f"socket {timeout_ms}")
+
+    return Condition
+
+
+def test_the_installed_vllm_has_what_the_patch_relies_on() -> None:
+    pytest.importorskip("vllm")
+    assert engine_wait.check_spin_api() is None
+
+
+def test_a_reader_sleeps_instead_of_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    condition = _condition_class()
+    made_before: Any = condition()  # readers made before the patch are covered too
+    slept: list[float] = []
+    monkeypatch.setattr(engine_wait.time, "sleep", slept.append)
+    assert engine_wait.stop_spinning(condition)
+    made_before.wait(100)
+    condition().wait(100)
+    assert slept == [engine_wait.POLL_S, engine_wait.POLL_S]
+    assert made_before.waits == []
+
+
+def test_an_idle_reader_waits_on_its_socket_as_vllm_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    condition = _condition_class()
+    assert engine_wait.stop_spinning(condition)
+    reader: Any = condition()
+    reader.last_read -= 2 * reader.busy_loop_s
+    slept: list[float] = []
+    monkeypatch.setattr(engine_wait.time, "sleep", slept.append)
+    reader.wait(250)
+    assert reader.waits == ["socket 250"]
+    assert slept == []
+
+
+def test_patching_twice_wraps_once() -> None:
+    condition = _condition_class()
+    assert engine_wait.stop_spinning(condition)
+    patched = condition.wait  # type: ignore[attr-defined]
+    assert not engine_wait.stop_spinning(condition)
+    assert condition.wait is patched  # type: ignore[attr-defined]
+
+
+def test_a_changed_vllm_is_left_as_it_is() -> None:
+    class Renamed:
+        def __init__(self) -> None:
+            self.spin_window_s = 1.0
+
+        def wait(self, timeout_ms: int | None = None) -> None:
+            del timeout_ms
+
+    original = Renamed.wait
+    problem = engine_wait.check_spin_api(Renamed)
+    assert problem is not None and "busy_loop_s" in problem
+    assert not engine_wait.stop_spinning(Renamed)
+    assert Renamed.wait is original
+
+
+@pytest.mark.parametrize(
+    ("device", "setting", "spins"),
+    [("cpu", None, False), ("cuda", None, True), ("cpu", True, True), ("cuda", False, False)],
+)
+def test_the_engine_core_spins_on_cuda_and_sleeps_on_the_cpu_by_default(
+    device: str, setting: bool | None, spins: bool
+) -> None:
+    config = EngineConfig(device=device, engine_core_spin=setting)
+    assert config.spins() is spins
+    assert config.env()[SPIN_ENV] == ("1" if spins else "0")
+
+
+def test_the_setting_reaches_the_engine_core_through_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    assert not engine_wait.spin_wanted()
+    monkeypatch.setenv(SPIN_ENV, "1")
+    assert engine_wait.spin_wanted()
