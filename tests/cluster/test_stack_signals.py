@@ -14,11 +14,17 @@ from cluster.runtime.redis_server import RedisServer
 
 
 def test_processes_started_inside_ignore_sigint() -> None:
-    with sigint_ignored():
-        child = subprocess.Popen(["sleep", "30"])
-    outside = subprocess.Popen(["sleep", "30"])
+    # As a terminal's foreground Python has it, whatever started this test (a shell's
+    # background job inherits SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # restored
+        with sigint_ignored():
+            child = subprocess.Popen(["sleep", "30"])
+        outside = subprocess.Popen(["sleep", "30"])
+    finally:
+        restored = signal.signal(signal.SIGINT, previous)
+    try:
+        assert restored is signal.default_int_handler  # sigint_ignored put it back
         for process in (child, outside):
             os.kill(process.pid, signal.SIGINT)
         time.sleep(0.3)
