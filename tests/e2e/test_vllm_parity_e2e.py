@@ -13,9 +13,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.runtime.net import free_port
+from cluster.runtime.net import free_port, wait_ready
 from tests.e2e.conftest import ROOT, Stack
 
 pytestmark = pytest.mark.e2e
@@ -65,18 +62,10 @@ def vllm_url() -> Iterator[str]:
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited:\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"vLLM's server did not start:\n{log_path.read_text()[-4000:]}")
+    try:
+        wait_ready(url, proc, START_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as exc:
+        raise RuntimeError(f"{exc}; vLLM's server log:\n{log_path.read_text()[-4000:]}") from exc
 
 
 def _post(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
