@@ -174,12 +174,13 @@ class WorkerStats:
     decode_tokens_per_s: float = 0.0
     claimed_total: int = 0
     draining: bool = False
-    # Jobs finished per second over the last heartbeat, and a moving average of the time
-    # from claim to first token (ms): what admission estimates queueing delay from.
+    # Jobs finished per second over the last heartbeat, and the time from claim to first
+    # token (ms) a job claimed now would see: the recent average per prefill (each divided
+    # by the prefills it shared the engine with) times the prefills waiting now, plus one.
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
-    # v3: the least recent cost of a prompt token in a prefill (ms), what admission
-    # estimates a request's own prefill from.
+    # v3: the recent cost of a prompt token in a prefill (ms), learnt from prompts of 256
+    # uncached tokens or more (0 until then), what admission estimates a long prompt from.
     prefill_ms_per_token: float = 0.0
     # v4: whether the replica's engine honours a request's ``seed`` (vLLM's CPU build
     # cannot), so a gateway refuses a seed no replica can honour before queueing it.

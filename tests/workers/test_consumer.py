@@ -218,3 +218,56 @@ async def test_close_drains_running_work(redis_url: str, redis: aioredis.Redis, 
         chunks = await inbox.final("r")
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 20
     assert await redis.zscore(keys.workers, c.worker_id) is None
+
+
+async def _reported(redis: aioredis.Redis, keys: Keys, worker_id: str) -> WorkerStats:
+    return protocol.decode_as(await redis.get(keys.worker_stats(worker_id)), WorkerStats)
+
+
+async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """Eight jobs that start together wait for their first token together; each learns
+    its time shared by the eight, so a job arriving alone afterwards is not estimated
+    at the wave's time (which refused every chat until the figure faded)."""
+    engine = FakeEngine(max_slots=8)
+    engine.release.clear()
+    c = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=50))
+    await c.start()
+    queue = JobQueue(redis, keys)
+    try:
+        async with Inbox(redis, keys.inbox("g1")) as inbox:
+            for i in range(8):
+                await queue.enqueue(make_job(f"w{i}", inbox.channel, max_tokens=1))
+            await engine.wait_until(lambda: engine.running == 8)
+            await asyncio.sleep(0.4)  # the wave's prefill: at least 400 ms each
+            engine.release.set()
+            for i in range(8):
+                await inbox.final(f"w{i}")
+
+            async def settled() -> bool:
+                return (await _reported(redis, keys, c.worker_id)).prefill_ms > 0
+
+            await eventually(settled)
+            alone = (await _reported(redis, keys, c.worker_id)).prefill_ms
+            assert alone < 400 / 3
+            # Short prompts teach no cost per token.
+            assert (await _reported(redis, keys, c.worker_id)).prefill_ms_per_token == 0.0
+
+            # Two jobs waiting for their first token: a third would share with both.
+            engine.release.clear()
+            for i in range(2):
+                await queue.enqueue(make_job(f"x{i}", inbox.channel, max_tokens=1))
+            await engine.wait_until(lambda: engine.running == 2)
+
+            async def scaled() -> bool:
+                reported = (await _reported(redis, keys, c.worker_id)).prefill_ms
+                return reported == pytest.approx(3 * alone)
+
+            await eventually(scaled)
+            engine.release.set()
+            for i in range(2):
+                await inbox.final(f"x{i}")
+    finally:
+        engine.release.set()
+        await c.close()

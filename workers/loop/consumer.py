@@ -54,6 +54,10 @@ log = structlog.get_logger(__name__)
 # sample, then fades with this time constant.
 PREFILL_FRESH_S = 5.0
 PREFILL_FADE_S = 30.0
+# A prompt's cost per token is learnt only from prefills of at least this many uncached
+# tokens: a short prompt's time is the step it joins, not its tokens (a 50-token prompt
+# in a 100 ms step says 2 ms a token, and would make a 1,000-token prompt look 2 s long).
+PER_TOKEN_MIN_TOKENS = 256
 # The window the reported completion rate is smoothed over (s).
 COMPLETION_RATE_WINDOW_S = 5.0
 
@@ -116,6 +120,8 @@ class Consumer:
         self._prefill_ms_avg = 0.0
         self._prefill_per_token = 0.0
         self._prefill_at_s = 0.0
+        # Jobs submitted to the engine that have no first token yet (id -> prompt tokens).
+        self._prefilling: dict[str, int] = {}
         self._last_beat_s = time.monotonic()
         self.metrics = WorkerMetrics()
         self.metrics.bind(inflight=lambda: len(self._running), slots=lambda: engine.max_slots)
@@ -287,6 +293,9 @@ class Consumer:
             # vLLM's own spans (when its tracing is on) nest under this worker's.
             engine_job = dataclasses.replace(job, traceparent=stream.trace.traceparent)
         started_s = time.perf_counter()
+        # The prefills this one shares the engine with as it starts, itself included.
+        contenders = len(self._prefilling) + 1
+        self._prefilling[job.id] = len(job.prompt_token_ids)
         handed_back = False
         outcome = "completed"
         try:
@@ -301,7 +310,7 @@ class Consumer:
                 self._engine,
                 engine_job,
                 engine_priority(job),
-                functools.partial(self._on_output, stream, started_s),
+                functools.partial(self._on_output, stream, started_s, contenders),
             )
             if not stream.finished:
                 stream.finish_reason = "stop"
@@ -328,6 +337,7 @@ class Consumer:
                 # and counting it would tell admission the cluster drains faster in a flood.
                 self._completed_since_beat += 1
             self._running.pop(job.id, None)
+            self._prefilling.pop(job.id, None)
             self._jobs.pop(job.id, None)
             self._batch_running.discard(job.id)
             self._note_demand()
@@ -388,17 +398,24 @@ class Consumer:
             },
         )
 
-    def _on_output(self, stream: RequestStream, started_s: float, out: EngineOutput) -> None:
-        """Take one engine output of ``stream``'s job: called once per step and request,
-        so it does only what each token needs."""
+    def _on_output(
+        self, stream: RequestStream, started_s: float, contenders: int, out: EngineOutput
+    ) -> None:
+        """Take one engine output of ``stream``'s job (which started beside ``contenders``
+        prefills, itself included): called once per step and request, so it does only
+        what each token needs."""
         assert self._publisher is not None
         if stream.seq == 0 and not stream.pending_ids:
             stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
+            # Shared with those before it and those that joined since (still waiting now,
+            # or coming out of this same step), itself included.
+            shared = max(contenders, len(self._prefilling))
+            self._prefilling.pop(stream.job.id, None)
             if stream.job.priority_class != PriorityClass.BATCH:
                 # Admission estimates latency-bound work: long batch prefills
                 # (multi-turn backfills) must not make it look infeasible.
                 uncached = len(stream.job.prompt_token_ids) - out.cached_tokens
-                self._note_prefill(stream.prefill_ms, uncached)
+                self._note_prefill(stream.prefill_ms / shared, uncached)
             if stream.trace is not None:
                 now_ns = time.time_ns()
                 stream.trace.child(
@@ -433,23 +450,41 @@ class Consumer:
             log.warning("recovery failed", request_id=job.id, error=str(exc))
 
     def _note_prefill(self, prefill_ms: float, prompt_tokens: int) -> None:
+        """Learn from one prefill's time, already divided by the prefills it started
+        beside: a wave of arrivals that prefill together takes that many times longer,
+        and must not leave a figure that refuses a request arriving alone afterwards."""
         # Exponential moving averages: recent conditions matter most for admission.
         self._prefill_at_s = time.monotonic()
-        per_token = prefill_ms / max(1, prompt_tokens)
         if self._prefill_ms_avg == 0.0:
-            self._prefill_ms_avg, self._prefill_per_token = prefill_ms, per_token
+            self._prefill_ms_avg = prefill_ms
         else:
             self._prefill_ms_avg += 0.2 * (prefill_ms - self._prefill_ms_avg)
+        if prompt_tokens < PER_TOKEN_MIN_TOKENS:
+            return
+        per_token = prefill_ms / prompt_tokens
+        if self._prefill_per_token == 0.0:
+            self._prefill_per_token = per_token
+        else:
             self._prefill_per_token += 0.2 * (per_token - self._prefill_per_token)
 
-    def _reported_prefill_ms(self, now_s: float) -> float:
-        """The recent prefill time, fading once samples stop coming: a burst's figure
-        must not keep refusing work (refused work brings no new samples), yet an idle
-        cluster still knows roughly what a prefill costs."""
+    def _prefill_fade(self, now_s: float) -> float:
+        """1 while prefill samples are recent, then fading once they stop coming: a
+        burst's figure must not keep refusing work (refused work brings no new samples),
+        yet an idle cluster still knows roughly what a prefill costs."""
         age_s = now_s - self._prefill_at_s
         if age_s <= PREFILL_FRESH_S:
-            return self._prefill_ms_avg
-        return self._prefill_ms_avg * math.exp(-(age_s - PREFILL_FRESH_S) / PREFILL_FADE_S)
+            return 1.0
+        return math.exp(-(age_s - PREFILL_FRESH_S) / PREFILL_FADE_S)
+
+    def _reported_prefill_ms(self, now_s: float) -> float:
+        """The prefill a request arriving now would see: the recent per-prefill time,
+        times the prefills it would share the engine with (those waiting for their first
+        token, and itself)."""
+        return self._prefill_ms_avg * self._prefill_fade(now_s) * (len(self._prefilling) + 1)
+
+    def _reported_prefill_per_token(self, now_s: float) -> float:
+        """The recent cost of a prompt token (0 until a long prompt was measured)."""
+        return self._prefill_per_token * self._prefill_fade(now_s)
 
     def _abandon(self, job_ids: list[str]) -> None:
         """Give up jobs whose lease is no longer this worker's (found at renewal, or by
@@ -557,7 +592,7 @@ class Consumer:
             draining=self._stopping,
             completed_per_s=self._completion_rate(self._completed_since_beat / elapsed, elapsed),
             prefill_ms=self._reported_prefill_ms(now_s),
-            prefill_ms_per_token=self._prefill_per_token,
+            prefill_ms_per_token=self._reported_prefill_per_token(now_s),
             honours_seed=self._engine.honours_seed,
             adapters=sorted(self._engine.adapters),
         )
