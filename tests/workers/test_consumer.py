@@ -271,3 +271,29 @@ async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
     finally:
         engine.release.set()
         await c.close()
+
+
+async def test_claim_ahead_keeps_jobs_waiting_in_the_engine(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """With ``claim_ahead`` the worker holds that many jobs beyond its slots (the engine
+    queues them), and no more."""
+    engine = FakeEngine(max_slots=2)
+    engine.release.clear()
+    c = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=100, claim_ahead=1))
+    await c.start()
+    queue = JobQueue(redis, keys)
+    try:
+        async with Inbox(redis, keys.inbox("g1")) as inbox:
+            for i in range(5):
+                await queue.enqueue(make_job(f"r{i}", inbox.channel))
+            await engine.wait_until(lambda: engine.running == 3)
+            stats = await queue.stats()
+            assert (stats.waiting, stats.claimed) == (2, 3)
+            engine.release.set()
+            for i in range(5):
+                await inbox.final(f"r{i}")
+        assert engine.max_running_seen == 3
+    finally:
+        engine.release.set()
+        await c.close()

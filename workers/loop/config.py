@@ -46,6 +46,14 @@ class ConsumerConfig(BaseModel):
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="How long a stopping replica lets replies finish."
     )
+    claim_ahead: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description="Jobs claimed beyond the engine's batch slots, waiting in the engine's "
+        "own queue, so a slot freed at the end of a step is refilled in the next step "
+        "instead of a step later (the claim's round trip misses the step that started).",
+    )
     batch_reserve_slots: int = Field(
         default=4,
         ge=0,

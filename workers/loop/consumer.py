@@ -5,7 +5,9 @@ Why claim only with free slots: the order of work is decided in Redis, where the
 deadlines are. If a replica pulled more than it can batch, vLLM's own waiting queue
 would hold work that another, idle replica could have started. The loop wakes within a
 round trip of an enqueue (``BLPOP`` on the wake list), and the moment a slot frees it
-claims again, so continuous batching stays full.
+claims again, so continuous batching stays full. That claim's round trip misses the engine
+step that started as the slot freed; ``claim_ahead`` jobs beyond the slots wait in the
+engine's own queue, so a freed slot is refilled in the very next step.
 
 With tracing on (``CHARSERVE_TRACING`` in the replica's environment) a job that carries a
 ``traceparent`` runs in a span of its own, a child of its gateway's span: from the claim
@@ -230,7 +232,7 @@ class Consumer:
         assert self._queue is not None and self._blocking is not None
         while not self._stopping:
             self._slot_freed.clear()
-            free = self._engine.max_slots - len(self._running)
+            free = self._engine.max_slots + self._config.claim_ahead - len(self._running)
             if free <= 0:
                 await self._slot_freed.wait()
                 continue
