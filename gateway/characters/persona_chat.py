@@ -37,7 +37,7 @@ from cluster.characters.persona import Layout, PromptTooLong, assemble, expand_m
 from gateway.characters.store import Character, CharacterStore, Session, speaker
 from gateway.chat.prompts import TemplateOptions
 from gateway.chat.schemas import ChatCompletionRequest, SessionAction
-from gateway.http.errors import BadRequest, Conflict, NotFound
+from gateway.http.errors import BadRequest, Conflict, model_not_found
 
 log = structlog.get_logger(__name__)
 
@@ -210,11 +210,8 @@ class PersonaChat:
         if not adapter or request.model != self._served_model_name:
             return
         if adapter not in self._adapters():
-            raise NotFound(
-                f"The model `{adapter}` (the LoRA adapter of character {character.id!r}) "
-                "does not exist: no replica serves it now.",
-                param="model",
-                code="model_not_found",
+            raise model_not_found(
+                adapter, f" (the LoRA adapter of character {character.id!r}): no replica serves it"
             )
         request.model = adapter
 

@@ -24,7 +24,7 @@ from cluster.wire.protocol import Job
 from cluster.wire.queue import JobQueue
 from cluster.wire.vocabulary import DropReason, PriorityClass
 from gateway.chat.capacity import Capacity, CapacityView
-from gateway.http.errors import APIError, BadRequest, NotFound, refused
+from gateway.http.errors import APIError, BadRequest, model_not_found, refused
 from gateway.metrics import GatewayMetrics
 
 
@@ -44,6 +44,13 @@ def serves_model(served_model_name: str, adapters: frozenset[str], model: str) -
     """Whether ``model`` names the base model or an advertised LoRA adapter (vLLM's
     convention: an adapter is served under its own model name)."""
     return model == served_model_name or model in adapters
+
+
+def check_model(served_model_name: str, adapters: frozenset[str], model: str) -> None:
+    """404 ``model_not_found`` unless ``model`` is the served model or one of ``adapters``
+    (a job for any other could never be claimed)."""
+    if not serves_model(served_model_name, adapters, model):
+        raise model_not_found(model)
 
 
 def classify(
@@ -155,10 +162,7 @@ class Admitter:
     def check_model(self, model: str) -> None:
         """404 ``model_not_found`` unless ``model`` is the served model or a LoRA adapter
         a live worker has loaded (a job for any other could never be claimed)."""
-        if not serves_model(self._settings.served_model_name, self.adapters, model):
-            raise NotFound(
-                f"The model `{model[:200]}` does not exist.", param="model", code="model_not_found"
-            )
+        check_model(self._settings.served_model_name, self.adapters, model)
 
     def free_by_worker(self) -> dict[str, int]:
         """Free slots of each live worker, from the latest snapshot."""

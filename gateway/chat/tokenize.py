@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.chat.admission import serves_model
+from gateway.chat.admission import check_model
 from gateway.chat.prompts import (
     ON_LOOP_CHARS,
     PromptBuilder,
@@ -24,7 +24,7 @@ from gateway.chat.prompts import (
 )
 from gateway.chat.responses import ModelCard
 from gateway.chat.schemas import ChatMessage, template_contradiction
-from gateway.http.errors import BadRequest, NotFound
+from gateway.http.errors import BadRequest
 from gateway.http.openapi import error_responses, ok
 from gateway.services import services
 
@@ -92,12 +92,8 @@ def model_cards(request: Request) -> list[dict[str, Any]]:
 
 def _check_model(request: Request, model: str | None) -> None:
     s = services(request)
-    if model is not None and not serves_model(
-        s.settings.served_model_name, s.capacity.current.adapters, model
-    ):
-        raise NotFound(
-            f"The model `{model[:200]}` does not exist.", param="model", code="model_not_found"
-        )
+    if model is not None:
+        check_model(s.settings.served_model_name, s.capacity.current.adapters, model)
 
 
 async def tokenize(prompts: PromptBuilder, body: TokenizeRequest, max_messages: int) -> list[int]:

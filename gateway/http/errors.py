@@ -163,6 +163,14 @@ def error_response(exc: APIError, request_id: str | None = None) -> JSONResponse
     return _ErrorJSON(exc.body(), status_code=exc.status, headers=headers)
 
 
+def model_not_found(model: str, why: str = "") -> NotFound:
+    """404 ``model_not_found`` for ``model`` (vLLM's and OpenAI's wording), with ``why``
+    after it when there is more to say."""
+    return NotFound(
+        f"The model `{model[:200]}` does not exist{why}.", param="model", code="model_not_found"
+    )
+
+
 def refused(reason: DropReason, message: str, retry_after_s: int, status: int = 429) -> APIError:
     """A refusal at the door: 429 (or 503), ``Retry-After`` and the drop reason."""
     headers = {"Retry-After": str(retry_after_s), "X-Charserve-Drop-Reason": reason.value}
