@@ -343,6 +343,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
     client_cpu_s = dict.fromkeys(targets, 0.0)
+    measured_from_s = time.perf_counter()  # the system's monotonic clock, as vLLM's client
     for r in range(args.rounds):
         for url in targets:
             samples, wall, cpu = await run_round_procs(
@@ -376,6 +377,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "ramp_s": args.ramp_s,
             "extra_body": extra,
         },
+        # When the measured rounds ran (warm-up excluded): what else ran meanwhile, such
+        # as ``charserve bench-peers``'s sampling of the server's running sequences.
+        "window": {"start_s": measured_from_s, "end_s": time.perf_counter()},
         "targets": {
             u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_s[u])
             for u in targets

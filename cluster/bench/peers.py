@@ -10,11 +10,26 @@ client, and stopped, so no two engines ever share the cores:
 - ``vllm-ours``: vLLM's server with charserve's engine settings
   (``python -m workers.baselines.vllm_server``), a second line.
 
-The workload is vLLM's ``random`` dataset (``--input-len`` prompt tokens, ``--output-len``
-reply tokens with ``ignore_eos``) for vLLM's client, GuideLLM's ``synthetic_text`` of the
-same sizes (``--clients ... guidellm``), and ``charserve bench`` with the same reply
-length. Every run's JSON is kept in ``--out``; the table gives each figure's median
-over rounds and its ratio to ``vllm`` measured by the same client.
+Two workloads (``--workload``):
+
+- ``chat``: vLLM's ``random`` dataset (``--input-len`` prompt tokens, ``--output-len``
+  reply tokens with ``ignore_eos``) for vLLM's client, GuideLLM's ``synthetic_text`` of the
+  same sizes (``--clients ... guidellm``), and ``charserve bench`` with the same reply
+  length;
+- ``persona``: prompts of about 1,000 tokens that share long prefixes, where prefix
+  caching matters: vLLM's ``prefix_repetition`` dataset (``--personas`` prefixes of
+  ``--persona-len`` tokens, each with ``--suffix-len`` tokens of its own) for vLLM's
+  client, and multi-turn conversations (:mod:`cluster.bench.conversations`: ``--personas``
+  personas of ``--persona-len`` tokens shared by ``concurrency`` conversations of
+  ``prompts / concurrency`` turns) for ours. Its figure of record, ``ttft_later_p50``, is
+  the TTFT of requests whose prefix is already cached: turns 2 and later for ours; for
+  vLLM's, requests sent after the first of their prefix had finished.
+
+While each client runs, a thread samples the server's ``vllm:num_requests_running`` (vLLM's
+own gauge, on both: charserve's gateway ``/metrics`` carries its replicas') and
+``running_mean`` is its mean over the client's measured window: the engine's batch size at
+that offered load. Every run's JSON is kept in ``--out``; the table gives each figure's
+median over rounds and its ratio to ``vllm`` measured by the same client.
 
 On this machine vLLM's default ``gpu_memory_utilization`` (0.92 of the CPU's NUMA node)
 is more than is free once vLLM has loaded, and it refuses to start; ``--vllm-memory``
@@ -24,13 +39,20 @@ is more than is free once vLLM has loaded, and it refuses to start; ``--vllm-mem
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import os
+import random
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +65,18 @@ from cluster.runtime.bundled_model import resolve_model
 log = structlog.get_logger(__name__)
 
 SERVED = "smollm2-135m-instruct"
-FIGURES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tok_s")
+FIGURES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tok_s", "running_mean")
+PERSONA_FIGURES = (
+    "ttft_p50",
+    "ttft_later_p50",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "tok_s",
+    "running_mean",
+)
+COUNTS = ("failed", "refused")
+NAN = float("nan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +89,12 @@ class Peer:
     ready_path: str
     model: str
     env: dict[str, str]
+    # Its running-sequences gauge: polled this often, and republished every export_s
+    # (0: live, read from the engine's own process). vLLM's server renders its 70 KB
+    # page in about 10 ms of CPU: every 0.1 s would take a tenth of a core from the
+    # server measured; every 0.5 s is 2%, and still over a hundred samples a minute.
+    poll_s: float = 0.5
+    export_s: float = 0.0
 
 
 def peers(args: argparse.Namespace, model_path: str) -> dict[str, Peer]:
@@ -70,6 +109,12 @@ def peers(args: argparse.Namespace, model_path: str) -> dict[str, Peer]:
             "/ready",
             SERVED,
             {"CHARSERVE_DATA_DIR": str(Path(args.out) / "charserve-data")},
+            # The gateway shows what each worker exported last, every 5 s
+            # (cluster.runtime.prometheus.run_worker_exporter), on a page of about 80 KB
+            # that costs the gateway about 40 ms of CPU to render: every 2 s sees each
+            # export for about 2% of a core.
+            poll_s=2.0,
+            export_s=5.0,
         ),
         "vllm": Peer(
             "vllm",
@@ -129,8 +174,33 @@ def _stop(process: subprocess.Popen[bytes], grace_s: float = 90) -> None:
 
 
 def _vllm_client(
-    peer: Peer, tokenizer: str, concurrency: int, prompts: int, args: argparse.Namespace, out: Path
+    peer: Peer,
+    tokenizer: str,
+    concurrency: int,
+    prompts: int,
+    args: argparse.Namespace,
+    out: Path,
+    workload: str = "chat",
 ) -> list[str]:
+    if workload == "persona":
+        dataset = [
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(args.persona_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.personas),
+            "--prefix-repetition-output-len", str(args.output_len),
+            # Distinct prefixes per concurrency: a run must not find the last one's cached.
+            "--seed", str(concurrency),
+            # What read_vllm needs to tell which prefix each request had.
+            "--metadata", "dataset=prefix_repetition", f"num_prefixes={args.personas}",
+            f"seed={concurrency}",
+        ]  # fmt: skip
+    else:
+        dataset = [
+            "--dataset-name", "random",
+            "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len),
+        ]  # fmt: skip
     return [
         sys.executable, "-m", "workers.baselines.vllm_bench",
         "--backend", "openai-chat",
@@ -138,14 +208,14 @@ def _vllm_client(
         "--endpoint", "/v1/chat/completions",
         "--model", peer.model,
         "--tokenizer", tokenizer,
-        "--dataset-name", "random",
-        "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len),
+        *dataset,
         "--ignore-eos",
         "--num-prompts", str(prompts),
         "--max-concurrency", str(concurrency),
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,90,99",
+        # Per-request start times and TTFTs: the measured window, and the persona figures.
+        "--save-detailed",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
 
@@ -153,6 +223,19 @@ def _vllm_client(
 def _our_client(
     peer: Peer, concurrency: int, requests: int, args: argparse.Namespace, out: Path
 ) -> list[str]:
+    if args.workload == "persona":
+        return [
+            sys.executable, "-m", "cluster.bench.conversations",
+            "--base-url", f"http://127.0.0.1:{peer.port}",
+            "--model", peer.model,
+            "--concurrency", str(concurrency),
+            "--turns", str(requests // concurrency),
+            "--personas", str(args.personas),
+            "--persona-len", str(args.persona_len),
+            "--max-tokens", str(args.output_len),
+            "--seed", str(concurrency),
+            "--output", str(out),
+        ]  # fmt: skip
     return [
         str(Path(sys.executable).with_name("charserve")), "bench",
         "--base-url", f"http://127.0.0.1:{peer.port}",
@@ -201,9 +284,11 @@ def read_guidellm(path: Path) -> dict[str, float]:
 
 
 def read_vllm(path: Path) -> dict[str, float]:
-    """The figures of one ``vllm bench serve`` result file."""
+    """The figures of one ``vllm bench serve`` result file (``--save-detailed``: then
+    also its refusals, its measured window, and for ``prefix_repetition`` the TTFT p50 of
+    the requests whose prefix was cached)."""
     d = json.loads(path.read_text())
-    return {
+    figures = {
         "ttft_p50": d["median_ttft_ms"],
         "ttft_p99": d["p99_ttft_ms"],
         "itl_p50": d["median_itl_ms"],
@@ -211,11 +296,58 @@ def read_vllm(path: Path) -> dict[str, float]:
         "tok_s": d["output_throughput"],
         "failed": d.get("num_prompts", d["completed"]) - d["completed"],
     }
+    errors = d.get("errors") or []
+    if errors:
+        # vLLM's client records a non-200 answer as the status's reason phrase.
+        figures["refused"] = sum(1 for e in errors if e and "Too Many Requests" in e)
+    if d.get("start_times"):
+        ends = [
+            s + e
+            for s, e, err in zip(d["start_times"], d["latencies"], errors, strict=True)
+            if not err
+        ]
+        figures["start_s"] = min(d["start_times"])
+        figures["end_s"] = max(ends, default=figures["start_s"])
+    if d.get("dataset") == "prefix_repetition" and d.get("start_times"):
+        later = [t * 1000 for t in _later_ttfts(d)]
+        figures["ttft_later_p50"] = statistics.median(later) if later else NAN
+    return figures
+
+
+def prefix_order(num_prompts: int, num_prefixes: int, seed: int) -> list[int]:
+    """Which prefix each request of vLLM's ``prefix_repetition`` dataset has, in the order
+    it sends them: the dataset lists ``num_prompts // num_prefixes`` requests per prefix,
+    prefix by prefix, then shuffles them with Python's ``random`` seeded with ``--seed``
+    (``PrefixRepetitionRandomDataset``; a test checks this against vLLM's own)."""
+    per_prefix = num_prompts // num_prefixes
+    order = [p for p in range(num_prefixes) for _ in range(per_prefix)]
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _later_ttfts(d: dict[str, Any]) -> list[float]:
+    """TTFTs (s) of the successful requests sent once the first request of their prefix
+    had finished, so its prefix was in the cache (what a later turn is for ours)."""
+    prefixes = prefix_order(len(d["start_times"]), int(d["num_prefixes"]), int(d["seed"]))
+    first_done: dict[int, float] = {}
+    for p, start, latency, error in zip(
+        prefixes, d["start_times"], d["latencies"], d["errors"], strict=True
+    ):
+        if not error:
+            first_done[p] = min(first_done.get(p, float("inf")), start + latency)
+    return [
+        ttft
+        for p, start, ttft, error in zip(
+            prefixes, d["start_times"], d["ttfts"], d["errors"], strict=True
+        )
+        if not error and start >= first_done[p]
+    ]
 
 
 def read_ours(path: Path) -> dict[str, float]:
     """The figures of one ``charserve bench`` report."""
-    t = next(iter(json.loads(path.read_text())["targets"].values()))
+    report = json.loads(path.read_text())
+    t = next(iter(report["targets"].values()))
     return {
         "ttft_p50": t["ttft_p50_ms"],
         "ttft_p99": t["ttft_p99_ms"],
@@ -223,10 +355,113 @@ def read_ours(path: Path) -> dict[str, float]:
         "itl_p99": t["itl_p99_ms"],
         "tok_s": t["output_tokens_per_s"],
         "failed": t["errors"],
+        **_window(report),
     }
 
 
+def read_conversations(path: Path) -> dict[str, float]:
+    """The figures of one :mod:`cluster.bench.conversations` report."""
+    r = json.loads(path.read_text())
+    return {
+        "ttft_p50": r["ttft_p50_ms"],
+        "ttft_p99": r["ttft_p99_ms"],
+        "ttft_first_p50": r["ttft_first_p50_ms"],
+        "ttft_first_p99": r["ttft_first_p99_ms"],
+        "ttft_later_p50": r["ttft_later_p50_ms"],
+        "ttft_later_p99": r["ttft_later_p99_ms"],
+        "itl_p50": r["itl_p50_ms"],
+        "itl_p99": r["itl_p99_ms"],
+        "tok_s": r["output_tokens_per_s"],
+        "failed": r["errors"],
+        "refused": r["refused"],
+        **_window(r),
+    }
+
+
+def _window(report: dict[str, Any]) -> dict[str, float]:
+    w = report.get("window")
+    return {"start_s": w["start_s"], "end_s": w["end_s"]} if w else {}
+
+
 READERS = {"vllm": read_vllm, "charserve": read_ours, "guidellm": read_guidellm}
+
+
+def reader(client: str, workload: str) -> Any:
+    """How to read ``client``'s result file for ``workload``."""
+    return read_conversations if (client, workload) == ("charserve", "persona") else READERS[client]
+
+
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})? (\S+)", re.MULTILINE)
+# Advance whenever an engine makes progress: a new export on charserve's page.
+_PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+def parse_running(text: str) -> tuple[float, float]:
+    """From a ``/metrics`` page: ``vllm:num_requests_running`` summed over engines, and
+    a progress marker (prompt plus generated tokens so far) that changes with every
+    export of an engine that did any work."""
+    running = progress = 0.0
+    for match in _SAMPLE.finditer(text):
+        name = match.group(1)
+        if name == "vllm:num_requests_running":
+            running += float(match.group(3))
+        elif name in _PROGRESS:
+            progress += float(match.group(3))
+    return running, progress
+
+
+class RunningSampler:
+    """Polls a ``/metrics`` page every ``poll_s`` in a thread: (monotonic time, running
+    sequences, progress marker) per poll. Small and cheap: one GET and a regex scan."""
+
+    def __init__(self, url: str, poll_s: float) -> None:
+        self.url = url
+        self.poll_s = poll_s
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="running-sampler", daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(self.poll_s):
+                try:
+                    text = client.get(self.url).text
+                except httpx.HTTPError:
+                    continue
+                self.samples.append((time.monotonic(), *parse_running(text)))
+
+    @contextmanager
+    def running(self) -> Iterator[RunningSampler]:
+        """Sample while the block runs."""
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+
+def running_mean(
+    samples: list[tuple[float, float, float]],
+    start_s: float,
+    end_s: float,
+    poll_s: float,
+    export_s: float,
+) -> tuple[float, int]:
+    """The mean number of running sequences over [start_s, end_s], and how many point
+    samples it is of. A live gauge (``export_s`` 0): every poll in the window. A gauge
+    republished every ``export_s`` (charserve's page): each export is one point sample,
+    taken once, when the progress marker changes; an export in the window is first seen
+    up to ``poll_s`` after it."""
+    if export_s <= 0:
+        picked = [v for t, v, _ in samples if start_s <= t <= end_s]
+    else:
+        picked = [
+            v
+            for (_, _, before), (t, v, marker) in itertools.pairwise(samples)
+            if marker != before and start_s < t <= end_s + poll_s
+        ]
+    return (statistics.fmean(picked) if picked else NAN), len(picked)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -258,25 +493,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 for concurrency, prompts in zip(args.concurrency, args.prompts, strict=True):
                     for client in args.clients:
-                        path = out / f"{name}-{client}-c{concurrency}-{r}.json"
-                        if client == "vllm":
-                            cmd = _vllm_client(peer, model_path, concurrency, prompts, args, path)
-                        elif client == "guidellm":
-                            cmd = _guidellm_client(
-                                peer, model_path, concurrency, prompts, args, path
-                            )
-                        else:
-                            cmd = _our_client(peer, concurrency, prompts, args, path)
-                        done = subprocess.run(cmd, capture_output=True, text=True)
-                        (out / f"{path.stem}.txt").write_text(done.stdout + done.stderr)
-                        if done.returncode != 0:
-                            log.warning("client failed", peer=name, client=client, path=str(path))
-                            continue
-                        figures = READERS[client](path)
-                        rows.append(
-                            {"round": r, "peer": name, "client": client, "c": concurrency,
-                             **figures}
-                        )  # fmt: skip
+                        row = _measure_one(peer, client, concurrency, prompts, model_path, args, r)
+                        if row is not None:
+                            rows.append(row)
             finally:
                 _stop(process)
                 logfile.close()
@@ -284,39 +503,91 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+def _measure_one(
+    peer: Peer,
+    client: str,
+    concurrency: int,
+    prompts: int,
+    model_path: str,
+    args: argparse.Namespace,
+    r: int,
+) -> dict[str, Any] | None:
+    """One client's run against one peer, sampling its running sequences meanwhile."""
+    out = Path(args.out)
+    path = out / f"{peer.name}-{client}-{args.workload}-c{concurrency}-{r}.json"
+    if client == "vllm":
+        cmd = _vllm_client(peer, model_path, concurrency, prompts, args, path, args.workload)
+    elif client == "guidellm":
+        cmd = _guidellm_client(peer, model_path, concurrency, prompts, args, path)
+    else:
+        cmd = _our_client(peer, concurrency, prompts, args, path)
+    path.unlink(missing_ok=True)  # an earlier run's report is not this run's
+    sampler = RunningSampler(f"http://127.0.0.1:{peer.port}/metrics", peer.poll_s)
+    with sampler.running():
+        started_s = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        ended_s = time.monotonic()
+        # A republished gauge shows the run's last moments up to export_s late.
+        time.sleep(peer.export_s + peer.poll_s if peer.export_s else 0)
+    (out / f"{path.stem}.txt").write_text(done.stdout + done.stderr)
+    (out / f"{path.stem}.running.json").write_text(json.dumps(sampler.samples))
+    if done.returncode != 0:
+        log.warning("client failed", peer=peer.name, client=client, path=str(path))
+    if not path.exists():  # a client that failed may still have written its report
+        return None
+    figures = reader(client, args.workload)(path)
+    # The client's measured window when it reports one, else its whole run.
+    start_s, end_s = figures.pop("start_s", started_s), figures.pop("end_s", ended_s)
+    mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
+    row: dict[str, Any] = {"round": r, "peer": peer.name, "client": client, "c": concurrency}
+    return {**row, **figures, "running_mean": mean, "running_points": points}
+
+
+def figures_of(workload: str) -> tuple[str, ...]:
+    """The figures the table shows for ``workload``."""
+    return PERSONA_FIGURES if workload == "persona" else FIGURES
+
+
+def _median(values: list[float]) -> float:
+    """The median of the values that are numbers (NaN: a figure the run could not take)."""
+    numbers = [v for v in values if v == v]
+    return statistics.median(numbers) if numbers else NAN
+
+
+def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict[str, Any]]:
     """Medians over rounds, and each figure's ratio to ``vllm`` by the same client."""
+    figures = figures_of(workload)
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["client"], row["peer"], row["c"]), []).append(row)
     medians = {
-        key: {f: statistics.median(r[f] for r in rs) for f in (*FIGURES, "failed")}
+        key: {f: _median([r.get(f, NAN) for r in rs]) for f in (*figures, *COUNTS)}
         for key, rs in groups.items()
     }
     lines = [
         f"{'client':<9} {'c':>3} {'peer':<10} "
-        + " ".join(f"{f:>14}" for f in FIGURES)
-        + f" {'failed':>6} {'runs':>4}"
+        + " ".join(f"{f:>14}" for f in figures)
+        + "".join(f" {f:>7}" for f in COUNTS)
+        + f" {'runs':>4}"
     ]
     summary: dict[str, Any] = {}
     for (client, peer, c), m in sorted(medians.items()):
         ref = medians.get((client, "vllm", c))
-        cells = []
-        for f in FIGURES:
-            ratio = f" ({m[f] / ref[f]:.2f}x)" if ref and ref[f] and peer != "vllm" else ""
-            cells.append(f"{m[f]:>7.1f}{ratio:>7}")
+        ratios = (
+            {f: m[f] / ref[f] for f in figures if ref[f] and ref[f] == ref[f] and m[f] == m[f]}
+            if ref and peer != "vllm"
+            else {}
+        )
+        cells = [f"{m[f]:>7.1f}" + (f" ({ratios[f]:.2f}x)" if f in ratios else "") for f in figures]
         lines.append(
             f"{client:<9} {c:>3} {peer:<10} "
             + " ".join(f"{cell:>14}" for cell in cells)
-            + f" {m['failed']:>6.0f} {len(groups[(client, peer, c)]):>4}"
+            + "".join(f" {m[f]:>7.0f}" if m[f] == m[f] else f" {'-':>7}" for f in COUNTS)
+            + f" {len(groups[(client, peer, c)]):>4}"
         )
         summary[f"{client}/{peer}/c{c}"] = {
             **m,
-            **(
-                {f"{f}_over_vllm": round(m[f] / ref[f], 3) for f in FIGURES if ref[f]}
-                if ref and peer != "vllm"
-                else {}
-            ),
+            **{f"{f}_over_vllm": round(v, 3) for f, v in ratios.items()},
         }
     return "\n".join(lines), summary
 
@@ -337,25 +608,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GuideLLM's command, for --clients guidellm (install it in a venv of its own: "
         "its dependencies differ from vLLM's)",
     )
+    parser.add_argument(
+        "--workload",
+        choices=["chat", "persona"],
+        default="chat",
+        help="chat: short random prompts; persona: ~1,000-token prompts sharing persona "
+        "prefixes (vLLM's prefix_repetition dataset, and multi-turn conversations)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument(
-        "--prompts", type=int, nargs="+", default=[24, 160], help="per concurrency, in order"
+        "--prompts",
+        type=int,
+        nargs="+",
+        default=[24, 160],
+        help="per concurrency, in order (persona: a multiple of the concurrency and of "
+        "--personas; our client runs prompts/concurrency turns per conversation)",
     )
-    parser.add_argument("--input-len", type=int, default=50)
+    parser.add_argument("--input-len", type=int, default=50, help="chat: prompt tokens")
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--personas", type=int, default=4, help="persona: characters (prefixes), shared"
+    )
+    parser.add_argument("--persona-len", type=int, default=900, help="persona: its tokens")
+    parser.add_argument(
+        "--suffix-len",
+        type=int,
+        default=100,
+        help="persona: tokens after the prefix in vLLM's client (ours sends the history)",
+    )
     parser.add_argument("--vllm-memory", type=float, default=0.85)
     parser.add_argument("--out", default="bench-peers", help="every run's result files")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Measure, print the table, write ``summary.json`` into ``--out``."""
+def check(args: argparse.Namespace) -> None:
+    """Refuse option combinations a run would fail on, before starting any server."""
     if len(args.concurrency) != len(args.prompts):
         raise SystemExit("--prompts gives one count per --concurrency")
+    if args.workload != "persona":
+        return
+    if "guidellm" in args.clients:
+        raise SystemExit("--workload persona runs with --clients vllm charserve")
+    for c, n in zip(args.concurrency, args.prompts, strict=True):
+        if n % c or n % args.personas or n < 2 * c:
+            raise SystemExit(
+                f"--workload persona: --prompts {n} must be a multiple of the concurrency "
+                f"({c}) and of --personas ({args.personas}), and at least two turns each"
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print the table, write ``summary.json`` into ``--out``."""
+    check(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per sample
     rows = measure(args)
-    text, summary = table(rows)
+    text, summary = table(rows, args.workload)
     Path(args.out, "summary.json").write_text(
-        json.dumps({"rows": rows, "summary": summary}, indent=2)
+        json.dumps({"workload": args.workload, "rows": rows, "summary": summary}, indent=2)
     )
     print(text)
     return 0

@@ -1,16 +1,33 @@
-"""``charserve bench-peers``'s table: medians over rounds, ratios to vLLM by one client."""
+"""``charserve bench-peers``: the table (medians over rounds, ratios to vLLM by one client),
+the running-sequences sampling, and reading vLLM's client on the persona workload."""
 
 from __future__ import annotations
 
-from cluster.bench.peers import table
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.bench.peers import (
+    add_arguments,
+    check,
+    parse_running,
+    prefix_order,
+    read_vllm,
+    running_mean,
+    table,
+)
 
 
 def _row(
-    r: int, peer: str, client: str, c: int, tok_s: float, ttft: float
-) -> dict[str, float | int | str]:
+    r: int, peer: str, client: str, c: int, tok_s: float, ttft: float, running: float = 8.0
+) -> dict[str, Any]:
     return {
         "round": r, "peer": peer, "client": client, "c": c, "ttft_p50": ttft, "ttft_p99": ttft,
-        "itl_p50": 10.0, "itl_p99": 20.0, "tok_s": tok_s, "failed": 0,
+        "itl_p50": 10.0, "itl_p99": 20.0, "tok_s": tok_s, "failed": 0, "running_mean": running,
     }  # fmt: skip
 
 
@@ -31,3 +48,137 @@ def test_ratios_are_to_vllm_by_the_same_client_and_median_over_rounds() -> None:
     assert "tok_s_over_vllm" not in summary["charserve/charserve/c32"]
     assert "tok_s_over_vllm" not in summary["vllm/vllm/c32"]
     assert "(1.10x)" in text
+
+
+def test_running_mean_is_a_column_with_its_ratio_and_a_missing_figure_is_skipped() -> None:
+    rows = [
+        _row(1, "vllm", "vllm", 8, 100, 100, running=8.0),
+        _row(2, "vllm", "vllm", 8, 100, 100, running=6.0),
+        _row(1, "charserve", "vllm", 8, 100, 100, running=3.5),
+        _row(2, "charserve", "vllm", 8, 100, 100, running=math.nan),  # nothing sampled
+    ]
+    text, summary = table(rows)
+    assert "running_mean" in text.splitlines()[0]
+    assert summary["vllm/charserve/c8"]["running_mean"] == 3.5
+    assert summary["vllm/charserve/c8"]["running_mean_over_vllm"] == 0.5
+    assert "(0.50x)" in text
+
+
+def test_the_persona_table_has_ttft_of_later_turns_and_refusals() -> None:
+    rows = [
+        {**_row(1, "vllm", "charserve", 8, 100, 400), "ttft_later_p50": 200.0, "refused": 0},
+        {**_row(1, "charserve", "charserve", 8, 90, 500), "ttft_later_p50": 150.0, "refused": 3},
+        # vLLM's client reports no refusals when nothing failed: the count is absent.
+        {**_row(1, "vllm", "vllm", 8, 100, 400), "ttft_later_p50": 210.0},
+    ]
+    text, summary = table(rows, "persona")
+    header = text.splitlines()[0].split()
+    assert header[3:5] == ["ttft_p50", "ttft_later_p50"] and "refused" in header
+    ours = summary["charserve/charserve/c8"]
+    assert ours["ttft_later_p50_over_vllm"] == 0.75 and ours["refused"] == 3
+    assert math.isnan(summary["vllm/vllm/c8"]["refused"])
+    assert "ttft_later_p50" not in table(rows)[0]  # chat leaves it out
+
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 5.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+vllm:num_requests_waiting{engine="0",model_name="m"} 9.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1200.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 3.4e+02
+vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e9
+charserve_worker_inflight{replica="w1"} 7.0
+"""
+
+
+def test_parse_running_sums_the_gauge_over_engines_and_reads_progress() -> None:
+    assert parse_running(VLLM_PAGE) == (7.0, 1540.0)
+    assert parse_running("") == (0.0, 0.0)
+
+
+def test_a_live_gauge_is_averaged_over_the_window() -> None:
+    samples = [(t / 10, float(t), 0.0) for t in range(100)]  # running = 10 x time
+    mean, points = running_mean(samples, 2.0, 4.0, 0.1, 0.0)
+    assert points == 21 and mean == pytest.approx(30.0)
+
+
+def test_a_republished_gauge_counts_each_export_in_the_window_once() -> None:
+    # Polled every 0.5 s; exports at 1, 6, 11 and 16 s (the marker changes), each holding
+    # the engine's value at that moment. The run is 3..14 s: the exports at 6 and 11 s.
+    held = {1: (4.0, 100.0), 6: (8.0, 200.0), 11: (6.0, 300.0), 16: (0.0, 400.0)}
+    samples = []
+    value = (0.0, 0.0)
+    for i in range(40):
+        t = i * 0.5
+        value = held.get(int(t), value) if t == int(t) else value
+        samples.append((t, *value))
+    mean, points = running_mean(samples, 3.0, 14.0, 0.5, 5.0)
+    assert (mean, points) == (7.0, 2)
+    assert math.isnan(running_mean(samples, 30.0, 40.0, 0.5, 5.0)[0])
+
+
+def _detailed(tmp_path: Path, seed: int) -> Path:
+    """A ``vllm bench serve --save-detailed`` result: 8 requests, 2 prefixes."""
+    prefixes = prefix_order(8, 2, seed)
+    starts, ttfts = [], []
+    for i, p in enumerate(prefixes):
+        first = prefixes.index(p) == i
+        # The first of each prefix starts at 0 and ends at 1 s; the others start later.
+        starts.append(0.0 if first else 1.0 + i)
+        ttfts.append(0.5 if first else 0.1)
+    d = {
+        "completed": 7, "num_prompts": 8, "median_ttft_ms": 100.0, "p99_ttft_ms": 500.0,
+        "median_itl_ms": 10.0, "p99_itl_ms": 20.0, "output_throughput": 50.0,
+        "start_times": starts, "ttfts": ttfts, "latencies": [1.0] * 8,
+        "errors": [""] * 7 + ["Too Many Requests"],
+        "dataset": "prefix_repetition", "num_prefixes": "2", "seed": str(seed),
+    }  # fmt: skip
+    path = tmp_path / "vllm.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_read_vllm_takes_later_ttft_refusals_and_window_from_the_detailed_result(
+    tmp_path: Path,
+) -> None:
+    figures = read_vllm(_detailed(tmp_path, seed=8))
+    assert figures["ttft_later_p50"] == pytest.approx(100.0)  # the firsts' 500 ms left out
+    assert figures["refused"] == 1 and figures["failed"] == 1
+    assert figures["start_s"] == 0.0 and figures["end_s"] > 1.0
+
+
+def test_prefix_order_is_the_order_vllm_sends_its_prefix_repetition_requests(
+    model_path: str,
+) -> None:
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    for seed in (1, 8):
+        requests = PrefixRepetitionRandomDataset(random_seed=seed).sample(
+            tokenizer, num_requests=12, prefix_len=64, suffix_len=16, num_prefixes=3
+        )
+        expected = prefix_order(12, 3, seed)
+        # Same prefix, same opening text; different prefixes differ.
+        heads = [r.prompt[:80] for r in requests]
+        for i in range(12):
+            for j in range(12):
+                assert (heads[i] == heads[j]) == (expected[i] == expected[j])
+
+
+def test_persona_options_are_checked_before_any_server_starts() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    check(parser.parse_args(["--workload", "persona", "--concurrency", "8", "--prompts", "64"]))
+    for bad in (
+        ["--concurrency", "8", "--prompts", "60"],  # not whole conversations
+        ["--concurrency", "8", "--prompts", "8"],  # one turn: no later turns
+        ["--concurrency", "4", "--prompts", "12", "--personas", "8"],  # vLLM's prefixes
+        ["--clients", "vllm", "guidellm"],
+    ):
+        with pytest.raises(SystemExit):
+            check(parser.parse_args(["--workload", "persona", *bad]))
