@@ -550,6 +550,7 @@ class ChatCall:
             e2e_ms=round(self._timer.elapsed_s * 1000, 1),
             ttft_ms=round(ttft * 1000, 1) if ttft is not None else None,
             queue_ms=round(first.queue_ms, 1) if first else None,
+            prefill_ms=round(first.prefill_ms, 1) if first else None,
             worker_id=first.worker_id if first else None,
             completion_tokens=last.completion_tokens if last else 0,
         )
