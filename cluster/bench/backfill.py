@@ -44,7 +44,7 @@ from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
 from cluster.runtime.net import free_port, wait_ready
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _CHARACTERS = [
     ("Captain Mira Vance", "the sharp-tongued but kind captain of the starship Wayfarer",
      "The Wayfarer drifts near the Kessler Belt with a failing engine.",
