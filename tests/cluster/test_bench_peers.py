@@ -155,7 +155,10 @@ def test_prefix_order_is_the_order_vllm_sends_its_prefix_repetition_requests(
     model_path: str,
 ) -> None:
     from transformers import AutoTokenizer
-    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+
+    # vLLM's own dataset (absent from the gateway-only install).
+    datasets = pytest.importorskip("vllm.benchmarks.datasets.datasets")
+    PrefixRepetitionRandomDataset = datasets.PrefixRepetitionRandomDataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     for seed in (1, 8):
