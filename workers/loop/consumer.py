@@ -122,8 +122,8 @@ class Consumer:
         self._prefill_ms_avg = 0.0
         self._prefill_per_token = 0.0
         self._prefill_at_s = 0.0
-        # Jobs submitted to the engine that have no first token yet (id -> prompt tokens).
-        self._prefilling: dict[str, int] = {}
+        # Ids of the jobs submitted to the engine that have no first token yet.
+        self._prefilling: set[str] = set()
         self._last_beat_s = time.monotonic()
         self.metrics = WorkerMetrics()
         self.metrics.bind(inflight=lambda: len(self._running), slots=lambda: engine.max_slots)
@@ -297,7 +297,7 @@ class Consumer:
         started_s = time.perf_counter()
         # The prefills this one shares the engine with as it starts, itself included.
         contenders = len(self._prefilling) + 1
-        self._prefilling[job.id] = len(job.prompt_token_ids)
+        self._prefilling.add(job.id)
         handed_back = False
         outcome = "completed"
         try:
@@ -339,7 +339,7 @@ class Consumer:
                 # and counting it would tell admission the cluster drains faster in a flood.
                 self._completed_since_beat += 1
             self._running.pop(job.id, None)
-            self._prefilling.pop(job.id, None)
+            self._prefilling.discard(job.id)
             self._jobs.pop(job.id, None)
             self._batch_running.discard(job.id)
             self._note_demand()
@@ -412,7 +412,7 @@ class Consumer:
             # Shared with those before it and those that joined since (still waiting now,
             # or coming out of this same step), itself included.
             shared = max(contenders, len(self._prefilling))
-            self._prefilling.pop(stream.job.id, None)
+            self._prefilling.discard(stream.job.id)
             if stream.job.priority_class != PriorityClass.BATCH:
                 # Admission estimates latency-bound work: long batch prefills
                 # (multi-turn backfills) must not make it look infeasible.
