@@ -57,7 +57,8 @@ def router() -> APIRouter:
 
     @api.get("/ready", responses=READY_RESPONSES)
     async def ready(request: Request) -> JSONResponse:
-        """Readiness: Redis answers, the inbox is subscribed, and a worker is claiming."""
+        """Readiness: Redis answers, the inbox is subscribed, and a worker is claiming
+        (as both its heartbeat and the gateway's admission see it)."""
         s = services(request)
         fresh_ms = s.clock.now_ms() - 3 * s.settings.heartbeat_ms
         try:
@@ -66,6 +67,10 @@ def router() -> APIRouter:
             return JSONResponse({"status": "unavailable", "reason": "redis"}, status_code=503)
         if not s.inbox.subscribed.is_set():
             return JSONResponse({"status": "unavailable", "reason": "inbox"}, status_code=503)
+        # Ready only when admission would admit too: it reads the capacity snapshot
+        # (refreshed every 100 ms), which can lag the heartbeats read above, and a client
+        # that saw 200 here must not get 503 ``no_workers`` on its next request.
+        workers = min(workers, s.capacity.current.workers)
         if workers == 0:
             return JSONResponse({"status": "unavailable", "reason": "no_workers"}, status_code=503)
         return JSONResponse({"status": "ready", "workers": workers})

@@ -163,13 +163,21 @@ def _start_cluster(group: Servers, replicas: int = 0) -> list[int]:
          "--cluster-replicas", str(replicas), "--cluster-yes"],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
+    # Up when every node has every slot, every replica its full copy, and every node
+    # knows every other. A primary votes only for a replica it knows: on a loaded machine
+    # CI once killed a primary before gossip had told the others of its replica, and no
+    # failover came in 30 s.
     deadline = time.monotonic() + 30
     for port in ports:
         client = redis.Redis(port=port, decode_responses=True)
         try:
-            while client.cluster("info").get("cluster_state") != "ok" or (
-                client.info("replication")["role"] == "slave"
-                and client.info("replication").get("master_link_status") != "up"
+            while (
+                (info := client.cluster("info")).get("cluster_state") != "ok"
+                or int(info.get("cluster_known_nodes", 0)) != nodes
+                or (
+                    client.info("replication")["role"] == "slave"
+                    and client.info("replication").get("master_link_status") != "up"
+                )
             ):
                 assert time.monotonic() < deadline, "the cluster did not come up"
                 time.sleep(0.1)

@@ -179,6 +179,24 @@ async def test_no_workers_is_a_503(redis_url: str, model_path: str) -> None:
     assert resp.headers["x-charserve-drop-reason"] == "no_workers" and resp.headers["retry-after"]
 
 
+async def test_ready_agrees_with_admission(
+    redis_url: str, model_path: str, redis: aioredis.Redis
+) -> None:
+    """A worker whose heartbeat is in but whose stats are not is no worker to admission;
+    /ready must not say 200 to a client whose next request admission refuses (CI saw
+    exactly that when the capacity snapshot lagged the heartbeat)."""
+    settings = gateway_settings(redis_url, model_path)
+    keys = Keys(settings.namespace)
+    async with serve_gateway(settings) as base_url, httpx.AsyncClient(base_url=base_url) as http:
+        seconds, _ = await redis.time()
+        await redis.zadd(keys.workers, {"half-registered": (seconds + 60) * 1000})
+        await asyncio.sleep(0.3)  # past a snapshot refresh (every 100 ms)
+        ready = await http.get("/ready")
+        chat = await http.post("/v1/chat/completions", json=BODY)
+    assert chat.status_code == 503 and chat.headers["x-charserve-drop-reason"] == "no_workers"
+    assert ready.status_code == 503 and ready.json()["reason"] == "no_workers"
+
+
 class _View:
     """A capacity view whose snapshot is a beat old."""
 
