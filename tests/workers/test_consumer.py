@@ -88,8 +88,17 @@ async def engine(request: pytest.FixtureRequest) -> FakeEngine:
 
 
 @pytest.fixture
-async def consumer(redis_url: str, keys: Keys, engine: FakeEngine) -> AsyncIterator[Consumer]:
-    c = Consumer(redis_url, keys, engine, ConsumerConfig(lease_ms=5000, heartbeat_ms=100))
+def claim_ahead() -> int:
+    """The consumer's ``claim_ahead`` (a test may parametrize it)."""
+    return 0
+
+
+@pytest.fixture
+async def consumer(
+    redis_url: str, keys: Keys, engine: FakeEngine, claim_ahead: int
+) -> AsyncIterator[Consumer]:
+    config = ConsumerConfig(lease_ms=5000, heartbeat_ms=100, claim_ahead=claim_ahead)
+    c = Consumer(redis_url, keys, engine, config)
     await c.start()
     yield c
     engine.release.set()
@@ -121,21 +130,25 @@ async def test_reply_arrives_in_order_and_is_logged(
     assert await redis.zcard(keys.leases) == 0
 
 
+@pytest.mark.parametrize("claim_ahead", [0, 1])
 async def test_claims_only_while_slots_are_free(
-    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
+    redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer, claim_ahead: int
 ) -> None:
+    """A worker holds its slots' worth of jobs, plus ``claim_ahead`` waiting in the engine's
+    own queue, and no more."""
     engine.release.clear()
+    held = 2 + claim_ahead
     queue = JobQueue(redis, keys)
     async with Inbox(redis, keys.inbox("g1")) as inbox:
         for i in range(5):
             await queue.enqueue(make_job(f"r{i}", inbox.channel))
-        await engine.wait_until(lambda: engine.running == 2)
+        await engine.wait_until(lambda: engine.running == held)
         stats = await queue.stats()
-        assert (stats.waiting, stats.claimed) == (3, 2)
+        assert (stats.waiting, stats.claimed) == (5 - held, held)
         engine.release.set()
         for i in range(5):
             await inbox.final(f"r{i}")
-    assert engine.max_running_seen == 2
+    assert engine.max_running_seen == held
     assert sorted(engine.started) == [f"r{i}" for i in range(5)]
 
 
@@ -268,32 +281,6 @@ async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
             engine.release.set()
             for i in range(2):
                 await inbox.final(f"x{i}")
-    finally:
-        engine.release.set()
-        await c.close()
-
-
-async def test_claim_ahead_keeps_jobs_waiting_in_the_engine(
-    redis_url: str, redis: aioredis.Redis, keys: Keys
-) -> None:
-    """With ``claim_ahead`` the worker holds that many jobs beyond its slots (the engine
-    queues them), and no more."""
-    engine = FakeEngine(max_slots=2)
-    engine.release.clear()
-    c = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=100, claim_ahead=1))
-    await c.start()
-    queue = JobQueue(redis, keys)
-    try:
-        async with Inbox(redis, keys.inbox("g1")) as inbox:
-            for i in range(5):
-                await queue.enqueue(make_job(f"r{i}", inbox.channel))
-            await engine.wait_until(lambda: engine.running == 3)
-            stats = await queue.stats()
-            assert (stats.waiting, stats.claimed) == (2, 3)
-            engine.release.set()
-            for i in range(5):
-                await inbox.final(f"r{i}")
-        assert engine.max_running_seen == 3
     finally:
         engine.release.set()
         await c.close()
