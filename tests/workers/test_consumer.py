@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -281,6 +281,52 @@ async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
             engine.release.set()
             for i in range(2):
                 await inbox.final(f"x{i}")
+    finally:
+        engine.release.set()
+        await c.close()
+
+
+async def test_the_prefill_count_is_reported_between_beats(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """The prefill a worker reports follows the jobs awaiting their first token within a
+    fraction of a second, not a beat (5 s here): a beat-old count went on refusing every
+    chat after the prefills it counted had drained."""
+    engine = FakeEngine(max_slots=4)
+    config = ConsumerConfig(heartbeat_ms=5000, lease_ms=30000)
+    c = Consumer(redis_url, keys, engine, config)
+    await c.start()
+    queue = JobQueue(redis, keys)
+
+    async def reported() -> float:
+        return (await _reported(redis, keys, c.worker_id)).prefill_ms
+
+    async def reported_is(holds: Callable[[float], bool]) -> bool:
+        return holds(await reported())
+
+    try:
+        async with Inbox(redis, keys.inbox("g1")) as inbox:
+            engine.release.clear()
+            await queue.enqueue(make_job("a", inbox.channel, max_tokens=1))
+            await engine.wait_until(lambda: engine.running == 1)
+            await asyncio.sleep(0.2)  # a prefill of at least 200 ms
+            engine.release.set()
+            await inbox.final("a")
+            await eventually(lambda: reported_is(lambda r: r > 0), timeout_s=1.0)
+            alone = await reported()
+
+            engine.release.clear()
+            for i in range(2):
+                await queue.enqueue(make_job(f"b{i}", inbox.channel, max_tokens=1))
+            await engine.wait_until(lambda: engine.running == 2)
+            tripled = 3 * alone
+            await eventually(lambda: reported_is(lambda r: r == pytest.approx(tripled)), 1.0)
+            engine.release.set()
+            for i in range(2):
+                await inbox.final(f"b{i}")
+            # The two are out of prefill: back to one prefill's time (the two taught
+            # their own, shared, times meanwhile).
+            await eventually(lambda: reported_is(lambda r: r < 2 * alone), timeout_s=1.0)
     finally:
         engine.release.set()
         await c.close()

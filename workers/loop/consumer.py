@@ -62,6 +62,10 @@ PREFILL_FADE_S = 30.0
 PER_TOKEN_MIN_TOKENS = 256
 # The window the reported completion rate is smoothed over (s).
 COMPLETION_RATE_WINDOW_S = 5.0
+# Between two beats a worker rewrites its stats when the jobs awaiting their first token
+# change, at most once per this many seconds: a count a beat old (1 s) went on refusing a
+# closed loop's every request for the rest of the beat after the prefills had drained.
+STATS_REFRESH_S = 0.05
 
 
 def new_worker_id() -> str:
@@ -124,6 +128,8 @@ class Consumer:
         self._prefill_at_s = 0.0
         # Ids of the jobs submitted to the engine that have no first token yet.
         self._prefilling: set[str] = set()
+        self._prefilling_changed = asyncio.Event()
+        self._stats: WorkerStats | None = None  # as the last beat wrote them
         self._last_beat_s = time.monotonic()
         self.metrics = WorkerMetrics()
         self.metrics.bind(inflight=lambda: len(self._running), slots=lambda: engine.max_slots)
@@ -170,6 +176,7 @@ class Consumer:
         self._tasks = [
             asyncio.create_task(self._claim_loop(), name="claim"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._stats_loop(), name="stats"),
             asyncio.create_task(self._control_loop(pubsub), name="control"),
             asyncio.create_task(
                 run_worker_exporter(
@@ -203,6 +210,7 @@ class Consumer:
                 task.cancel()
             await asyncio.gather(*self._running.values(), return_exceptions=True)
         self._closing.set()
+        self._prefilling_changed.set()  # wakes the stats loop to stop
         if self._tasks[1:]:
             await asyncio.wait(self._tasks[1:], timeout=10)
         for task in self._tasks[1:]:
@@ -298,6 +306,7 @@ class Consumer:
         # The prefills this one shares the engine with as it starts, itself included.
         contenders = len(self._prefilling) + 1
         self._prefilling.add(job.id)
+        self._prefilling_changed.set()
         handed_back = False
         outcome = "completed"
         try:
@@ -339,7 +348,9 @@ class Consumer:
                 # and counting it would tell admission the cluster drains faster in a flood.
                 self._completed_since_beat += 1
             self._running.pop(job.id, None)
-            self._prefilling.discard(job.id)
+            if job.id in self._prefilling:
+                self._prefilling.discard(job.id)
+                self._prefilling_changed.set()
             self._jobs.pop(job.id, None)
             self._batch_running.discard(job.id)
             self._note_demand()
@@ -413,6 +424,7 @@ class Consumer:
             # or coming out of this same step), itself included.
             shared = max(contenders, len(self._prefilling))
             self._prefilling.discard(stream.job.id)
+            self._prefilling_changed.set()
             if stream.job.priority_class != PriorityClass.BATCH:
                 # Admission estimates latency-bound work: long batch prefills
                 # (multi-turn backfills) must not make it look infeasible.
@@ -565,6 +577,41 @@ class Consumer:
             except RedisError as exc:
                 log.warning("heartbeat failed", error=str(exc))
 
+    async def _stats_loop(self) -> None:
+        """Rewrite the last beat's stats with the prefills as they are now, soon after
+        they change (admission multiplies the prefill time by their count)."""
+        while True:
+            await self._prefilling_changed.wait()  # close() sets it too
+            if not self._closing.is_set():
+                await asyncio.sleep(STATS_REFRESH_S)  # one write for a burst of changes
+            if self._closing.is_set():
+                return
+            self._prefilling_changed.clear()
+            if self._stats is None or self._redis is None:
+                continue
+            now_s = time.monotonic()
+            stats = dataclasses.replace(
+                self._stats,
+                running=len(self._running),
+                draining=self._stopping,
+                prefill_ms=self._reported_prefill_ms(now_s),
+                prefill_ms_per_token=self._reported_prefill_per_token(now_s),
+            )
+            try:
+                await self._redis.set(
+                    self._keys.worker_stats(self.worker_id),
+                    protocol.encode(stats),
+                    px=self._stats_ttl_ms(),
+                )
+            except RedisError as exc:
+                log.warning("stats refresh failed", error=str(exc))
+
+    def _stats_ttl_ms(self) -> int:
+        """How long a stats record lives: gateways judge freshness by the heartbeat score;
+        the stats only need to outlive a late beat (a loaded machine delays short periods
+        the most)."""
+        return max(self._config.heartbeat_ms * 3, 3000)
+
     def _completion_rate(self, rate: float, elapsed_s: float) -> float:
         """Jobs finished per second, smoothed over about COMPLETION_RATE_WINDOW_S: a beat
         in which none of a few long jobs happened to end does not read as "no drain".
@@ -600,15 +647,14 @@ class Consumer:
         )
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
+        self._stats = stats
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.time()
             pipe.zadd(self._keys.workers, {self.worker_id: stats.ts_ms})
             pipe.set(
                 self._keys.worker_stats(self.worker_id),
                 protocol.encode(stats),
-                # Gateways judge freshness by the heartbeat score; the stats only need to
-                # outlive a late beat (a loaded machine delays short periods the most).
-                px=max(self._config.heartbeat_ms * 3, 3000),
+                px=self._stats_ttl_ms(),
             )
             redis_time, *_ = await pipe.execute()
         self._clock.observe(RedisClock.from_time_reply(redis_time))
