@@ -16,7 +16,10 @@ meet is refused at the door rather than left to expire in the queue.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
+
+import structlog
 
 from cluster.runtime.clock import RedisClock
 from cluster.runtime.settings import Settings
@@ -26,6 +29,12 @@ from cluster.wire.vocabulary import DropReason, PriorityClass
 from gateway.chat.capacity import Capacity, CapacityView
 from gateway.http.errors import APIError, BadRequest, model_not_found, refused
 from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger(__name__)
+
+# Refusals are logged at most once per this many seconds for each reason, with the
+# count since the last line: a flood of refusals is a line a second, not one each.
+REFUSAL_LOG_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,42 @@ class Rejection:
         return refused(self.reason, self.message, self.retry_after_s, self.status)
 
 
+class RefusalLog:
+    """Logs refusals, at most one line per reason every ``every_s`` seconds, each line
+    with the capacity the decision read and how many were refused since the last."""
+
+    def __init__(self, every_s: float = REFUSAL_LOG_EVERY_S) -> None:
+        self._every_s = every_s
+        self._last_s: dict[DropReason, float] = {}
+        self._unlogged: dict[DropReason, int] = {}  # bounded: one entry per reason
+
+    def note(self, job: Job, rejection: Rejection, capacity: Capacity) -> None:
+        """Count ``job``'s refusal; log it unless its reason was logged just now."""
+        reason = rejection.reason
+        refused_count = self._unlogged.get(reason, 0) + 1
+        now_s = time.monotonic()
+        last_s = self._last_s.get(reason)
+        if last_s is not None and now_s - last_s < self._every_s:
+            self._unlogged[reason] = refused_count
+            return
+        self._last_s[reason], self._unlogged[reason] = now_s, 0
+        log.info(
+            "request refused",
+            reason=str(reason),
+            detail=rejection.message,
+            refused=refused_count,
+            request_id=job.id,
+            tenant=job.tenant,
+            priority=str(job.priority_class),
+            prompt_tokens=len(job.prompt_token_ids),
+            workers=capacity.workers,
+            free_slots=capacity.free_slots,
+            waiting=capacity.waiting,
+            prefill_ms=round(capacity.prefill_ms, 1),
+            prefill_ms_per_token=round(capacity.prefill_ms_per_token, 3),
+        )
+
+
 def estimate_ttft_ms(
     capacity: Capacity, ahead: int, prompt_tokens: int = 0, floor_ms: float = 0.0
 ) -> float:
@@ -143,6 +188,7 @@ class Admitter:
         self._queue = queue
         self._view = view
         self._metrics = metrics or GatewayMetrics()
+        self._refusals = RefusalLog()
 
     @property
     def clock(self) -> RedisClock:
@@ -172,14 +218,12 @@ class Admitter:
         """Admit ``job`` (of a tenant with ``max_running`` as its cap on running jobs, 0:
         none) or raise the client-facing refusal (and count the decision)."""
         capacity = self._view.current
-        for step in (self._queue_bound, self._workers_present):
-            rejection = step(job, capacity)
-            if rejection is not None:
-                self._metrics.rejected(job.priority_class, rejection.reason)
-                raise rejection.error()
-        rejection = await self._budget(job, capacity, max_running)
+        rejection = self._queue_bound(job, capacity) or self._workers_present(job, capacity)
+        if rejection is None:
+            rejection = await self._budget(job, capacity, max_running)
         if rejection is not None:
             self._metrics.rejected(job.priority_class, rejection.reason)
+            self._refusals.note(job, rejection, capacity)
             raise rejection.error()
         self._metrics.admitted(job.priority_class)
 

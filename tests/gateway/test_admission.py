@@ -9,12 +9,20 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job, WorkerStats
 from cluster.wire.queue import JobQueue, Position
-from gateway.chat.admission import Admitter, capped_wait_ms, estimate_ttft_ms
+from cluster.wire.vocabulary import DropReason
+from gateway.chat.admission import (
+    Admitter,
+    RefusalLog,
+    Rejection,
+    capped_wait_ms,
+    estimate_ttft_ms,
+)
 from gateway.chat.capacity import Capacity, summarize
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
@@ -236,3 +244,26 @@ async def test_free_slots_come_from_the_live_leases_not_a_stale_heartbeat(
     refusing = Admitter(settings, _Queue(full), _View(stale))  # type: ignore[arg-type]
     with pytest.raises(Exception, match="exceeds the latency budget"):
         await refusing.admit(job)  # 20 to finish at 6/s: 3.4 s
+
+
+def test_refusals_are_logged_a_line_a_second_per_reason() -> None:
+    """A flood of refusals is one log line per reason and period, counting the rest,
+    with the capacity each decision read (the estimate's inputs)."""
+    job = Job(
+        id="j", reply_to="x", model=MODEL, prompt_token_ids=[1] * 9, max_tokens=4,
+        sampling={}, arrival_ms=0, deadline_ms=2_000,
+    )  # fmt: skip
+    budget = Rejection(DropReason.BUDGET, "the estimated time to first token ...", 1)
+    full = Rejection(DropReason.QUEUE_FULL, "the queue is full", 1)
+    capacity = Capacity(workers=1, free_slots=3, prefill_ms=250.0)
+    refusals = RefusalLog(every_s=0.2)
+    with capture_logs() as logs:
+        for _ in range(5):
+            refusals.note(job, budget, capacity)
+        refusals.note(job, full, capacity)  # another reason has its own line
+        time.sleep(0.25)
+        refusals.note(job, budget, capacity)
+    lines = [(line["reason"], line["refused"]) for line in logs]
+    assert lines == [("budget", 1), ("queue_full", 1), ("budget", 5)]
+    assert logs[0]["event"] == "request refused" and logs[0]["prefill_ms"] == 250.0
+    assert logs[0]["prompt_tokens"] == 9 and logs[0]["free_slots"] == 3
