@@ -205,6 +205,20 @@ async def test_ready_agrees_with_admission(
     assert ready.status_code == 503 and ready.json()["reason"] == "no_workers"
 
 
+def _job(prompt_tokens: int, max_tokens: int) -> Job:
+    """An interactive job with a 2 s budget, for decisions made without a queue."""
+    return Job(
+        id="j",
+        reply_to="x",
+        model=MODEL,
+        prompt_token_ids=[1] * prompt_tokens,
+        max_tokens=max_tokens,
+        sampling={},
+        arrival_ms=0,
+        deadline_ms=2_000,
+    )
+
+
 class _View:
     """A capacity view whose snapshot is a beat old."""
 
@@ -226,16 +240,7 @@ async def test_free_slots_come_from_the_live_leases_not_a_stale_heartbeat(
     # The heartbeat (a beat old) says all 32 slots are busy; the leases say 12 are: the
     # replies of a closed loop finished, and their clients' next requests arrive now.
     stale = Capacity(workers=1, free_slots=0, slots=32, completed_per_s=6.0, prefill_ms=80.0)
-    job = Job(
-        id="j",
-        reply_to="x",
-        model=MODEL,
-        prompt_token_ids=[1] * 50,
-        max_tokens=64,
-        sampling={},
-        arrival_ms=0,
-        deadline_ms=2_000,
-    )
+    job = _job(prompt_tokens=50, max_tokens=64)
     settings = gateway_settings(redis_url, model_path)
     live = Position(ahead=19, own_ahead=19, tenants=1, claimed=12)
     admitter = Admitter(settings, _Queue(live), _View(stale))  # type: ignore[arg-type]
@@ -249,10 +254,7 @@ async def test_free_slots_come_from_the_live_leases_not_a_stale_heartbeat(
 def test_refusals_are_logged_a_line_a_second_per_reason() -> None:
     """A flood of refusals is one log line per reason and period, counting the rest,
     with the capacity each decision read (the estimate's inputs)."""
-    job = Job(
-        id="j", reply_to="x", model=MODEL, prompt_token_ids=[1] * 9, max_tokens=4,
-        sampling={}, arrival_ms=0, deadline_ms=2_000,
-    )  # fmt: skip
+    job = _job(prompt_tokens=9, max_tokens=4)
     budget = Rejection(DropReason.BUDGET, "the estimated time to first token ...", 1)
     full = Rejection(DropReason.QUEUE_FULL, "the queue is full", 1)
     capacity = Capacity(workers=1, free_slots=3, prefill_ms=250.0)

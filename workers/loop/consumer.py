@@ -587,16 +587,9 @@ class Consumer:
             if self._closing.is_set():
                 return
             self._prefilling_changed.clear()
-            if self._stats is None or self._redis is None:
-                continue
-            now_s = time.monotonic()
-            stats = dataclasses.replace(
-                self._stats,
-                running=len(self._running),
-                draining=self._stopping,
-                prefill_ms=self._reported_prefill_ms(now_s),
-                prefill_ms_per_token=self._reported_prefill_per_token(now_s),
-            )
+            # start() beat once before this loop began: both are set.
+            assert self._stats is not None and self._redis is not None
+            stats = self._live(self._stats, time.monotonic())
             try:
                 await self._redis.set(
                     self._keys.worker_stats(self.worker_id),
@@ -605,6 +598,17 @@ class Consumer:
                 )
             except RedisError as exc:
                 log.warning("stats refresh failed", error=str(exc))
+
+    def _live(self, stats: WorkerStats, now_s: float) -> WorkerStats:
+        """``stats`` with the figures that change between beats as they are now: the jobs
+        running, draining, and the prefill a request arriving now would see."""
+        return dataclasses.replace(
+            stats,
+            running=len(self._running),
+            draining=self._stopping,
+            prefill_ms=self._reported_prefill_ms(now_s),
+            prefill_ms_per_token=self._reported_prefill_per_token(now_s),
+        )
 
     def _stats_ttl_ms(self) -> int:
         """How long a stats record lives: gateways judge freshness by the heartbeat score;
@@ -631,20 +635,18 @@ class Consumer:
         assert self._redis is not None and self._queue is not None
         now_s = time.monotonic()
         elapsed = max(1e-3, now_s - self._last_beat_s)
-        stats = WorkerStats(
+        rates = WorkerStats(
             worker_id=self.worker_id,
             max_slots=self._engine.max_slots,
-            running=len(self._running),
+            running=0,  # _live sets it, with the other figures that change between beats
             ts_ms=self._clock.now_ms(),
             decode_tokens_per_s=self._tokens_since_beat / elapsed,
             claimed_total=self._claimed_total,
-            draining=self._stopping,
             completed_per_s=self._completion_rate(self._completed_since_beat / elapsed, elapsed),
-            prefill_ms=self._reported_prefill_ms(now_s),
-            prefill_ms_per_token=self._reported_prefill_per_token(now_s),
             honours_seed=self._engine.honours_seed,
             adapters=sorted(self._engine.adapters),
         )
+        stats = self._live(rates, now_s)
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
         self._stats = stats
