@@ -7,13 +7,17 @@ the installed vLLM still has what it relies on.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from workers.engines import engine_wait
-from workers.engines.config import SPIN_ENV, EngineConfig
+from workers.engines.config import NICE_ENV, POLLING_ENGINE_CORE_NICE, SPIN_ENV, EngineConfig
 
 
 def _condition_class() -> type:
@@ -108,3 +112,91 @@ def test_the_setting_reaches_the_engine_core_through_its_environment(
     assert not engine_wait.spin_wanted()
     monkeypatch.setenv(SPIN_ENV, "1")
     assert engine_wait.spin_wanted()
+
+
+@pytest.mark.parametrize(
+    ("device", "spin", "nice", "expected"),
+    [
+        ("cpu", None, None, POLLING_ENGINE_CORE_NICE),  # polls: raised
+        ("cuda", None, None, None),  # spins: left as it is
+        ("cpu", True, None, None),
+        ("cuda", None, 5, 5),  # as configured
+        ("cpu", None, 0, 0),
+    ],
+)
+def test_a_polling_engine_core_runs_at_a_raised_priority_by_default(
+    device: str, spin: bool | None, nice: int | None, expected: int | None
+) -> None:
+    config = EngineConfig(device=device, engine_core_spin=spin, engine_core_nice=nice)
+    assert config.core_nice() == expected
+    assert config.env().get(NICE_ENV) == (None if expected is None else str(expected))
+
+
+def test_a_nice_value_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine_core_nice"):
+        EngineConfig(engine_core_nice=-21)
+
+
+def test_the_nice_value_reaches_the_engine_core_through_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    assert engine_wait.wanted_nice() is None
+    monkeypatch.setenv(NICE_ENV, "-10")
+    assert engine_wait.wanted_nice() == -10
+
+
+# Run in a process of its own: a nice value once raised cannot be lowered again without
+# the privilege, and must not stay on the test session.
+_EVERY_THREAD = """
+import json, os, threading
+from workers.engines import engine_wait
+
+def nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+started, stop, seen = threading.Event(), threading.Event(), {}
+def before() -> None:
+    started.set()
+    stop.wait()
+    seen["before"] = nice()
+thread = threading.Thread(target=before)
+thread.start()
+started.wait()
+seen["ok"] = engine_wait.raise_priority(min(nice() + 3, 19))
+later = threading.Thread(target=lambda: seen.__setitem__("later", nice()))
+later.start()
+later.join()
+stop.set()
+thread.join()
+seen["main"] = nice()
+print(json.dumps(seen))
+"""
+
+
+def test_every_thread_of_the_engine_core_gets_the_nice_value() -> None:
+    before = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _EVERY_THREAD],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    want = min(int(before.stdout) + 3, 19)
+    # The thread running before the call, the caller, and a thread started after it.
+    assert seen == {"ok": True, "before": want, "later": want, "main": want}
+
+
+def test_without_the_privilege_the_engine_core_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(which: int, who: int, value: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(engine_wait.os, "setpriority", refuse)
+    assert not engine_wait.raise_priority(-10)

@@ -23,8 +23,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from workers.engines import scheduler as scheduler_module
 from workers.engines.base import BATCH_PRIORITY_BASE
-from workers.engines.config import BATCH_PREFILL_ENV, SPIN_ENV
+from workers.engines.config import BATCH_PREFILL_ENV, NICE_ENV, SPIN_ENV
 from workers.engines.scheduler import (
     MAX_YIELD_STEPS,
     LatencyFirstAsyncScheduler,
@@ -194,15 +195,32 @@ def test_without_batch_work_it_schedules_like_vllm(model_path: str) -> None:
 def test_the_hook_builds_the_synchronous_variant_on_the_cpu(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The hook would change how this process's vLLM queues wait (engine_wait.py).
+    # The hook would change how this process's vLLM queues wait, and its priority
+    # (engine_wait.py).
     monkeypatch.setenv(SPIN_ENV, "1")
+    monkeypatch.delenv(NICE_ENV, raising=False)
     assert isinstance(make_scheduler(model_path, latency_first_scheduler), LatencyFirstScheduler)
+
+
+def test_the_hook_sets_the_engine_core_priority_it_is_given(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SPIN_ENV, "1")
+    asked: list[int] = []
+    monkeypatch.setattr(scheduler_module, "raise_priority", asked.append)
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    make_scheduler(model_path, latency_first_scheduler)
+    assert asked == []  # none asked: the process keeps its own
+    monkeypatch.setenv(NICE_ENV, "-7")
+    make_scheduler(model_path, latency_first_scheduler)
+    assert asked == [-7]
 
 
 def test_the_hook_builds_the_asynchronous_variant_where_vllm_schedules_asynchronously(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SPIN_ENV, "1")
+    monkeypatch.delenv(NICE_ENV, raising=False)
 
     def hook(*, vllm_config: VllmConfig, **kwargs: object) -> Scheduler:
         vllm_config.scheduler_config.async_scheduling = True

@@ -30,6 +30,10 @@ from cluster.wire.vocabulary import ADAPTER_NAME_PATTERN, MAX_ADAPTERS
 BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
 # How EngineConfig.engine_core_spin reaches it (workers/engines/engine_wait.py reads it).
 SPIN_ENV = "CHARSERVE_ENGINE_CORE_SPIN"
+# How EngineConfig.engine_core_nice reaches it (workers/engines/engine_wait.py reads it).
+NICE_ENV = "CHARSERVE_ENGINE_CORE_NICE"
+# The engine core's nice value when it polls (does not spin) and the config says none.
+POLLING_ENGINE_CORE_NICE = -10
 
 # The roleplay samplers (DRY, XTC, banned strings: workers/engines/samplers.py), as vLLM's
 # ``logits_processors`` engine argument takes them (``module:Class``), in the order vLLM
@@ -285,6 +289,19 @@ class EngineConfig(BaseModel):
         "core to the gateway, the replica and Redis; workers/engines/engine_wait.py). "
         "None: spin on CUDA (cores to spare), sleep on the CPU.",
     )
+    engine_core_nice: int | None = Field(
+        default=None,
+        ge=-20,
+        le=19,
+        description="With latency_first_steps: the nice value of vLLM's engine core "
+        "process (its scheduler), set in that process at start; its model workers keep "
+        "theirs. A polling engine core wakes every 0.2 ms for a moment's work, and each "
+        "step waits for it: with a higher priority it does not wait behind the gateway, "
+        "the replica and Redis on a busy core (workers/engines/engine_wait.py). A "
+        "negative value needs CAP_SYS_NICE; without it the engine core keeps its "
+        "priority and says so in the log. None: -10 when the engine core polls, "
+        "unchanged when it spins (a spinning process given priority takes its core).",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM EngineArgs keyword, passed to vLLM as given "
@@ -450,6 +467,12 @@ class EngineConfig(BaseModel):
             return self.device != "cpu"
         return self.engine_core_spin
 
+    def core_nice(self) -> int | None:
+        """The nice value for vLLM's engine core process (None: leave it as started)."""
+        if self.engine_core_nice is not None:
+            return self.engine_core_nice
+        return None if self.spins() else POLLING_ENGINE_CORE_NICE
+
     def env(self) -> dict[str, str]:
         """Environment variables the engine process needs."""
         env = {
@@ -457,6 +480,9 @@ class EngineConfig(BaseModel):
             BATCH_PREFILL_ENV: str(self.batch_prefill_tokens),
             SPIN_ENV: "1" if self.spins() else "0",
         }
+        nice = self.core_nice()
+        if nice is not None:
+            env[NICE_ENV] = str(nice)
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
             if not self.enforce_eager:
