@@ -3,6 +3,7 @@ TCP port, and waiting until a server answers."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import subprocess
@@ -25,29 +26,35 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def _bind_below(sock: socket.socket, host: str, top: int, tries: int) -> int:
+    """Bind ``sock`` to a random port from FIXED_PORTS_FROM up to ``top`` (the kernel's
+    pick when none binds, or there is no room); the port it holds."""
+    for _ in range(tries if top > FIXED_PORTS_FROM else 0):
         try:
-            sock.bind((host, port))
+            sock.bind((host, random.randrange(FIXED_PORTS_FROM, top)))
+            break
         except OSError:
-            return False
-        return True
-
-
-def free_port(host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A TCP port that was free a moment ago on ``host``, below the kernel's ephemeral
-    range: a port the kernel hands out (bind to port 0) is also what every outgoing
-    connection and every other bind-to-0 server takes meanwhile (Ray starts dozens), and
-    one of them took a test gateway's port between this pick and the gateway's bind."""
-    top = _ephemeral_low()
-    if top > FIXED_PORTS_FROM:
-        for _ in range(tries):
-            port = random.randrange(FIXED_PORTS_FROM, top)
-            if _bindable(host, port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            continue  # a failed bind leaves the socket unbound: try another port
+    else:
         sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return int(sock.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1", tries: int = 50) -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago on ``host`` (held together
+    while picked), below the kernel's ephemeral range: a port the kernel hands out (bind
+    to port 0) is also what every outgoing connection and every other bind-to-0 server
+    takes meanwhile (Ray starts dozens), and one of them took a test gateway's port
+    between the pick and the gateway's bind."""
+    top = _ephemeral_low()
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        return [_bind_below(sock, host, top, tries) for sock in socks]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (see :func:`free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:

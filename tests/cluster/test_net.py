@@ -23,3 +23,9 @@ def test_a_free_port_is_outside_the_kernels_ephemeral_range() -> None:
 def test_without_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(net, "_ephemeral_low", lambda: net.FIXED_PORTS_FROM)
     assert net.free_port() >= 1024
+
+
+def test_ports_picked_together_are_distinct() -> None:
+    ports = net.free_ports(12)
+    assert len(set(ports)) == 12
+    assert all(net.FIXED_PORTS_FROM <= port < net._ephemeral_low() for port in ports)

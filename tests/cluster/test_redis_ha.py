@@ -10,7 +10,6 @@ import contextlib
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 import tests.cluster.test_queue as queue_suite
+from cluster.runtime.net import free_ports
 from cluster.runtime.prometheus import publish_process_metrics, read_process_metrics
 from cluster.runtime.redis_client import connect, connect_sync, parse_url, redacted_url
 from cluster.runtime.redis_server import find_redis_server
@@ -39,16 +39,6 @@ from tests.polling import Signal
 
 MASTER = "charserve-ha"
 START_TIMEOUT_S = 15.0
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free a moment ago on 127.0.0.1 (held open together, so
-    no two are the same)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def _redis_cli() -> str:
