@@ -207,7 +207,7 @@ def test_the_hook_sets_the_engine_core_priority_it_is_given(
 ) -> None:
     monkeypatch.setenv(SPIN_ENV, "1")
     asked: list[int] = []
-    monkeypatch.setattr(scheduler_module, "raise_priority", asked.append)
+    monkeypatch.setattr(scheduler_module, "set_nice", asked.append)
     monkeypatch.delenv(NICE_ENV, raising=False)
     make_scheduler(model_path, latency_first_scheduler)
     assert asked == []  # none asked: the process keeps its own

@@ -20,14 +20,13 @@ then waited for ever.) It runs in the engine core process, from the scheduler ho
 ``engine.engine_core_spin`` is on (:data:`SPIN_ENV`); the model worker's own reader (it
 waits only while the engine core schedules) keeps vLLM's behaviour.
 
-A polling engine core also runs at a higher priority (:func:`raise_priority`, nice
+A polling engine core also runs at a higher priority (:func:`set_nice`, nice
 ``engine.engine_core_nice``, -10 by default when it polls): it wakes every 0.2 ms for a
 moment's work, and every step waits for that work, so it must not queue behind a burst of
 the gateway, the replica's output handling and Redis, which all wake at each step's end.
-On this machine that gave 1.13x the output tokens/s at 32 streams (four alternating
-pairs, each won by the higher priority). The model worker keeps its priority: it spins
-while it waits for the next step, and a spinning process given priority would take its
-core from everything else.
+docs/benchmarks.md has what that did to throughput at 32 streams. The model worker keeps
+its priority: it spins while it waits for the next step, and a spinning process given
+priority would take its core from everything else.
 
 vLLM's ``SpinCondition`` is a private interface: :func:`check_spin_api` says at start-up
 when the installed vLLM no longer has what this relies on, and the engine then runs as
@@ -69,21 +68,20 @@ def wanted_nice() -> int | None:
     return int(value) if value else None
 
 
-def raise_priority(nice: int, tasks: Path = Path("/proc/self/task")) -> bool:
+def set_nice(nice: int, tasks: Path = Path("/proc/self/task")) -> bool:
     """Give every thread of this process the nice value ``nice`` (on Linux a nice value
     is a thread's; threads started later inherit their starter's). True if done; False,
     logged, when the process may not (a negative value needs CAP_SYS_NICE)."""
     ids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
-    try:
-        for tid in ids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except ProcessLookupError:
-                pass  # the thread ended meanwhile
-    except PermissionError as exc:
-        log.warning("the engine core keeps its priority", nice=nice, reason=str(exc))
-        return False
-    log.info("the engine core runs at a raised priority", nice=nice, threads=len(ids))
+    for tid in ids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except PermissionError as exc:
+            log.warning("the engine core keeps its priority", nice=nice, reason=str(exc))
+            return False
+    log.info("the engine core runs at its nice value", nice=nice, threads=len(ids))
     return True
 
 

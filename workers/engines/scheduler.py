@@ -49,7 +49,7 @@ from cluster.errors import ConfigError
 from cluster.runtime.introspect import missing_names
 from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV
-from workers.engines.engine_wait import raise_priority, spin_wanted, stop_spinning, wanted_nice
+from workers.engines.engine_wait import set_nice, spin_wanted, stop_spinning, wanted_nice
 
 # Consecutive steps batch work may be held back before ordinary steps resume.
 MAX_YIELD_STEPS = 8
@@ -214,7 +214,7 @@ def latency_first_scheduler(*, vllm_config: VllmConfig, **kwargs: Any) -> Schedu
     nice = wanted_nice()
     if nice is not None:
         # Built after the executor: its model workers were started and keep their priority.
-        raise_priority(nice)
+        set_nice(nice)
     if vllm_config.scheduler_config.async_scheduling:
         return LatencyFirstAsyncScheduler(vllm_config=vllm_config, **kwargs)
     return LatencyFirstScheduler(vllm_config=vllm_config, **kwargs)
