@@ -20,8 +20,8 @@ import msgpack
 from cluster.errors import ProtocolError
 from cluster.wire.vocabulary import PriorityClass
 
-VERSION = 6
-_ACCEPTED = frozenset({1, 2, 3, 4, 5, 6})
+VERSION = 7
+_ACCEPTED = frozenset({1, 2, 3, 4, 5, 6, 7})
 
 
 # The roleplay samplers' fields (DRY, XTC, banned strings; docs/api.md#roleplay-samplers):
@@ -175,12 +175,12 @@ class WorkerStats:
     claimed_total: int = 0
     draining: bool = False
     # Jobs finished per second over the last heartbeat, and the time from claim to first
-    # token (ms) a job claimed now would see: the recent average per prefill (each divided
-    # by the prefills it shared the engine with) times the prefills waiting now, plus one.
+    # token (ms) of one short prompt: the recent average per prefill, each divided by the
+    # prefills it shared the engine with (workers/loop/prefill.py).
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
-    # v3: the recent cost of a prompt token in a prefill (ms), learnt from prompts of 256
-    # uncached tokens or more (0 until then), what admission estimates a long prompt from.
+    # v3: the recent cost of a prompt token in a prefill (ms), learnt from busy periods of
+    # 256 uncached tokens or more (0 until then), what admission estimates prompts from.
     prefill_ms_per_token: float = 0.0
     # v4: whether the replica's engine honours a request's ``seed`` (vLLM's CPU build
     # cannot), so a gateway refuses a seed no replica can honour before queueing it.
@@ -189,6 +189,9 @@ class WorkerStats:
     # only to a replica that lists it (cluster/wire/queue.py), and a gateway refuses an
     # adapter no live replica lists.
     adapters: list[str] = field(default_factory=list)
+    # v7: the chat prompt tokens awaiting their prefill now, at that cost (ms): what a
+    # chat claimed now waits for before its own prompt is prefilled.
+    prefill_queued_ms: float = 0.0
 
     @property
     def free_slots(self) -> int:

@@ -139,6 +139,7 @@ class RefusalLog:
             waiting=capacity.waiting,
             prefill_ms=round(capacity.prefill_ms, 1),
             prefill_ms_per_token=round(capacity.prefill_ms_per_token, 3),
+            prefill_queued_ms=round(capacity.prefill_queued_ms, 1),
         )
 
 
@@ -148,13 +149,15 @@ def estimate_ttft_ms(
     """Estimated time to first token for a request of ``prompt_tokens`` tokens with
     ``ahead`` jobs before it.
 
-    Its own prefill is the larger of the workers' recent prefill time, the cost of its
-    prompt at their per-token rate, and ``floor_ms`` (the least any request takes, known
-    before any worker measured anything). With a free slot that is all; otherwise it
-    first waits for ``ahead - free + 1`` jobs to finish at the measured drain rate (with
-    no measured rate yet, the wait is unknown: only its own prefill counts).
+    Its own prefill is the largest of: the workers' recent time for one short prefill;
+    the prompt tokens awaiting their prefill in the engine and its own, at the workers'
+    recent cost per token; and ``floor_ms`` (the least any request takes, known before any
+    worker measured anything). With a free slot that is all; otherwise it first waits for
+    ``ahead - free + 1`` jobs to finish at the measured drain rate (with no measured rate
+    yet, the wait is unknown: only its own prefill counts).
     """
-    own = max(capacity.prefill_ms, capacity.prefill_ms_per_token * prompt_tokens, floor_ms)
+    tokens_ms = capacity.prefill_queued_ms + capacity.prefill_ms_per_token * prompt_tokens
+    own = max(capacity.prefill_ms, tokens_ms, floor_ms)
     if ahead < capacity.free_slots or capacity.completed_per_s <= 0.0:
         return own
     to_finish = ahead - capacity.free_slots + 1

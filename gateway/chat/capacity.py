@@ -34,6 +34,7 @@ class Capacity:
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
+    prefill_queued_ms: float = 0.0
     waiting: int = 0
     taken_at_s: float = 0.0
     # Free slots of each live (not draining) worker, for session affinity.
@@ -56,6 +57,7 @@ def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
         completed_per_s=sum(s.completed_per_s for s in live),
         prefill_ms=max(prefill) if prefill else 0.0,
         prefill_ms_per_token=max(per_token) if per_token else 0.0,
+        prefill_queued_ms=max((s.prefill_queued_ms for s in live), default=0.0),
         waiting=waiting,
         taken_at_s=now_s,
         free_by_worker={s.worker_id: s.free_slots for s in live},

@@ -50,6 +50,16 @@ def test_the_estimate_has_a_floor_and_grows_with_the_prompt() -> None:
     assert estimate_ttft_ms(measured, ahead=0, prompt_tokens=1000) == 500.0
 
 
+def test_the_estimate_waits_for_the_prompt_tokens_queued_in_the_engine() -> None:
+    # 1,200 ms of prompt tokens await their prefill: a short prompt waits for them and
+    # its own 80 tokens; one of 1,000 tokens for them and its own.
+    cap = Capacity(
+        workers=1, free_slots=90, prefill_ms=40.0, prefill_ms_per_token=0.5, prefill_queued_ms=1200
+    )
+    assert estimate_ttft_ms(cap, ahead=0, prompt_tokens=80) == pytest.approx(1240.0)
+    assert estimate_ttft_ms(cap, ahead=0, prompt_tokens=1000) == pytest.approx(1700.0)
+
+
 def test_a_tenant_at_its_cap_waits_for_its_own_slots() -> None:
     # 16 slots all busy, 8 finishing per second: half a job per slot per second.
     cap = Capacity(workers=1, slots=16, free_slots=0, completed_per_s=8.0)

@@ -23,13 +23,15 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def make_job(job_id: str, reply_to: str, max_tokens: int = 3, budget_ms: int = 60_000) -> Job:
+def make_job(
+    job_id: str, reply_to: str, max_tokens: int = 3, budget_ms: int = 60_000, prompt_len: int = 2
+) -> Job:
     arrival = now_ms()
     return Job(
         id=job_id,
         reply_to=reply_to,
         model="m",
-        prompt_token_ids=[1, 2],
+        prompt_token_ids=[1] * prompt_len,
         max_tokens=max_tokens,
         sampling={},
         arrival_ms=arrival,
@@ -237,12 +239,13 @@ async def _reported(redis: aioredis.Redis, keys: Keys, worker_id: str) -> Worker
     return protocol.decode_as(await redis.get(keys.worker_stats(worker_id)), WorkerStats)
 
 
-async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
+async def test_a_wave_of_prefills_is_reported_by_its_tokens(
     redis_url: str, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    """Eight jobs that start together wait for their first token together; each learns
-    its time shared by the eight, so a job arriving alone afterwards is not estimated
-    at the wave's time (which refused every chat until the figure faded)."""
+    """Eight jobs that start together wait for their first token together. A job arriving
+    alone afterwards is not estimated at the wave's time (which refused every chat until
+    the figure faded), and jobs awaiting their prefill are reported as their prompt
+    tokens at the cost per token the wave taught, not as their count times one prefill."""
     engine = FakeEngine(max_slots=8)
     engine.release.clear()
     c = Consumer(redis_url, keys, engine, ConsumerConfig(heartbeat_ms=50))
@@ -251,7 +254,7 @@ async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
     try:
         async with Inbox(redis, keys.inbox("g1")) as inbox:
             for i in range(8):
-                await queue.enqueue(make_job(f"w{i}", inbox.channel, max_tokens=1))
+                await queue.enqueue(make_job(f"w{i}", inbox.channel, 1, prompt_len=100))
             await engine.wait_until(lambda: engine.running == 8)
             await asyncio.sleep(0.4)  # the wave's prefill: at least 400 ms each
             engine.release.set()
@@ -259,25 +262,29 @@ async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
                 await inbox.final(f"w{i}")
 
             async def settled() -> bool:
-                return (await _reported(redis, keys, c.worker_id)).prefill_ms > 0
+                stats = await _reported(redis, keys, c.worker_id)
+                return stats.prefill_ms > 0 and stats.prefill_queued_ms == 0.0
 
             await eventually(settled)
-            alone = (await _reported(redis, keys, c.worker_id)).prefill_ms
-            assert alone < 400 / 3
-            # Short prompts teach no cost per token.
-            assert (await _reported(redis, keys, c.worker_id)).prefill_ms_per_token == 0.0
+            stats = await _reported(redis, keys, c.worker_id)
+            assert stats.prefill_ms < 400 / 3
+            # 800 tokens in at least 400 ms (and well under the 8 s one job's share of a
+            # second would make them).
+            per_token = stats.prefill_ms_per_token
+            assert 0.4 <= per_token < 1.0
 
-            # Two jobs waiting for their first token: a third would share with both.
+            # Two jobs of 100 tokens awaiting their first token: a third waits for theirs.
             engine.release.clear()
             for i in range(2):
-                await queue.enqueue(make_job(f"x{i}", inbox.channel, max_tokens=1))
+                await queue.enqueue(make_job(f"x{i}", inbox.channel, 1, prompt_len=100))
             await engine.wait_until(lambda: engine.running == 2)
 
-            async def scaled() -> bool:
-                reported = (await _reported(redis, keys, c.worker_id)).prefill_ms
-                return reported == pytest.approx(3 * alone)
+            async def queued() -> bool:
+                stats = await _reported(redis, keys, c.worker_id)
+                return stats.prefill_queued_ms == pytest.approx(200 * per_token)
 
-            await eventually(scaled)
+            await eventually(queued)
+            assert (await _reported(redis, keys, c.worker_id)).prefill_ms < 400 / 3
             engine.release.set()
             for i in range(2):
                 await inbox.final(f"x{i}")
@@ -286,47 +293,50 @@ async def test_a_wave_of_prefills_does_not_inflate_the_reported_prefill(
         await c.close()
 
 
-async def test_the_prefill_count_is_reported_between_beats(
+async def test_the_prefills_awaited_are_reported_between_beats(
     redis_url: str, redis: aioredis.Redis, keys: Keys
 ) -> None:
-    """The prefill a worker reports follows the jobs awaiting their first token within a
-    fraction of a second, not a beat (5 s here): a beat-old count went on refusing every
-    chat after the prefills it counted had drained."""
+    """The prompt tokens awaiting their prefill are reported within a fraction of a second
+    of a change, not a beat (5 s here): a beat-old count went on refusing every chat after
+    the prefills it counted had drained."""
     engine = FakeEngine(max_slots=4)
     config = ConsumerConfig(heartbeat_ms=5000, lease_ms=30000)
     c = Consumer(redis_url, keys, engine, config)
     await c.start()
     queue = JobQueue(redis, keys)
 
-    async def reported() -> float:
-        return (await _reported(redis, keys, c.worker_id)).prefill_ms
+    async def reported() -> WorkerStats:
+        return await _reported(redis, keys, c.worker_id)
 
     async def reported_is(holds: Callable[[float], bool]) -> bool:
-        return holds(await reported())
+        return holds((await reported()).prefill_queued_ms)
 
     try:
         async with Inbox(redis, keys.inbox("g1")) as inbox:
             engine.release.clear()
-            await queue.enqueue(make_job("a", inbox.channel, max_tokens=1))
+            await queue.enqueue(make_job("a", inbox.channel, 1, prompt_len=300))
             await engine.wait_until(lambda: engine.running == 1)
             await asyncio.sleep(0.2)  # a prefill of at least 200 ms
             engine.release.set()
             await inbox.final("a")
-            await eventually(lambda: reported_is(lambda r: r > 0), timeout_s=1.0)
-            alone = await reported()
+
+            async def learnt() -> bool:
+                return (await reported()).prefill_ms_per_token > 0
+
+            await eventually(learnt, timeout_s=1.0)
+            per_token = (await reported()).prefill_ms_per_token
 
             engine.release.clear()
             for i in range(2):
-                await queue.enqueue(make_job(f"b{i}", inbox.channel, max_tokens=1))
+                await queue.enqueue(make_job(f"b{i}", inbox.channel, 1, prompt_len=300))
             await engine.wait_until(lambda: engine.running == 2)
-            tripled = 3 * alone
-            await eventually(lambda: reported_is(lambda r: r == pytest.approx(tripled)), 1.0)
+            awaited = 600 * per_token
+            await eventually(lambda: reported_is(lambda r: r == pytest.approx(awaited)), 1.0)
             engine.release.set()
             for i in range(2):
                 await inbox.final(f"b{i}")
-            # The two are out of prefill: back to one prefill's time (the two taught
-            # their own, shared, times meanwhile).
-            await eventually(lambda: reported_is(lambda r: r < 2 * alone), timeout_s=1.0)
+            # The two are out of prefill: nothing awaits.
+            await eventually(lambda: reported_is(lambda r: r == 0.0), timeout_s=1.0)
     finally:
         engine.release.set()
         await c.close()

@@ -46,20 +46,13 @@ from workers.errors import ExpiredJobError, JobError
 from workers.loop.config import ConsumerConfig
 from workers.loop.metrics import WorkerMetrics, render_worker_metrics
 from workers.loop.pacing import StartPacer
+from workers.loop.prefill import PrefillMeter
 from workers.loop.publisher import Publisher, RequestStream
 from workers.loop.recovery import Recovery
 from workers.loop.reserve import BatchReserve
 
 log = structlog.get_logger(__name__)
 
-# The prefill time a worker reports is its recent average for this long after the last
-# sample, then fades with this time constant.
-PREFILL_FRESH_S = 5.0
-PREFILL_FADE_S = 30.0
-# A prompt's cost per token is learnt only from prefills of at least this many uncached
-# tokens: a short prompt's time is the step it joins, not its tokens (a 50-token prompt
-# in a 100 ms step says 2 ms a token, and would make a 1,000-token prompt look 2 s long).
-PER_TOKEN_MIN_TOKENS = 256
 # The window the reported completion rate is smoothed over (s).
 COMPLETION_RATE_WINDOW_S = 5.0
 # Between two beats a worker rewrites its stats when the jobs awaiting their first token
@@ -123,11 +116,9 @@ class Consumer:
         self._tokens_since_beat = 0
         self._completed_since_beat = 0
         self._completed_per_s = 0.0  # smoothed (COMPLETION_RATE_WINDOW_S)
-        self._prefill_ms_avg = 0.0
-        self._prefill_per_token = 0.0
-        self._prefill_at_s = 0.0
-        # Ids of the jobs submitted to the engine that have no first token yet.
-        self._prefilling: set[str] = set()
+        # The jobs submitted to the engine that have no first token yet, and what their
+        # prefills took.
+        self._prefilling = PrefillMeter()
         self._prefilling_changed = asyncio.Event()
         self._stats: WorkerStats | None = None  # as the last beat wrote them
         self._last_beat_s = time.monotonic()
@@ -304,8 +295,14 @@ class Consumer:
             engine_job = dataclasses.replace(job, traceparent=stream.trace.traceparent)
         started_s = time.perf_counter()
         # The prefills this one shares the engine with as it starts, itself included.
-        contenders = len(self._prefilling) + 1
-        self._prefilling.add(job.id)
+        contenders = self._prefilling.started(
+            job.id,
+            len(job.prompt_token_ids),
+            # Admission estimates latency-bound work: long batch prefills (multi-turn
+            # backfills) must not make it look infeasible.
+            chat=job.priority_class != PriorityClass.BATCH,
+            now_s=time.monotonic(),
+        )
         self._prefilling_changed.set()
         handed_back = False
         outcome = "completed"
@@ -348,8 +345,7 @@ class Consumer:
                 # and counting it would tell admission the cluster drains faster in a flood.
                 self._completed_since_beat += 1
             self._running.pop(job.id, None)
-            if job.id in self._prefilling:
-                self._prefilling.discard(job.id)
+            if self._prefilling.ended(job.id):
                 self._prefilling_changed.set()
             self._jobs.pop(job.id, None)
             self._batch_running.discard(job.id)
@@ -420,16 +416,11 @@ class Consumer:
         assert self._publisher is not None
         if stream.seq == 0 and not stream.pending_ids:
             stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
-            # Shared with those before it and those that joined since (still waiting now,
-            # or coming out of this same step), itself included.
-            shared = max(contenders, len(self._prefilling))
-            self._prefilling.discard(stream.job.id)
+            uncached = len(stream.job.prompt_token_ids) - out.cached_tokens
+            self._prefilling.first_token(
+                stream.job.id, stream.prefill_ms, contenders, uncached, time.monotonic()
+            )
             self._prefilling_changed.set()
-            if stream.job.priority_class != PriorityClass.BATCH:
-                # Admission estimates latency-bound work: long batch prefills
-                # (multi-turn backfills) must not make it look infeasible.
-                uncached = len(stream.job.prompt_token_ids) - out.cached_tokens
-                self._note_prefill(stream.prefill_ms / shared, uncached)
             if stream.trace is not None:
                 now_ns = time.time_ns()
                 stream.trace.child(
@@ -462,43 +453,6 @@ class Consumer:
         except (TimeoutError, RedisError, protocol.ProtocolError) as exc:
             # Our lease on it expires in turn and another worker tries again.
             log.warning("recovery failed", request_id=job.id, error=str(exc))
-
-    def _note_prefill(self, prefill_ms: float, prompt_tokens: int) -> None:
-        """Learn from one prefill's time, already divided by the prefills it started
-        beside: a wave of arrivals that prefill together takes that many times longer,
-        and must not leave a figure that refuses a request arriving alone afterwards."""
-        # Exponential moving averages: recent conditions matter most for admission.
-        self._prefill_at_s = time.monotonic()
-        if self._prefill_ms_avg == 0.0:
-            self._prefill_ms_avg = prefill_ms
-        else:
-            self._prefill_ms_avg += 0.2 * (prefill_ms - self._prefill_ms_avg)
-        if prompt_tokens < PER_TOKEN_MIN_TOKENS:
-            return
-        per_token = prefill_ms / prompt_tokens
-        if self._prefill_per_token == 0.0:
-            self._prefill_per_token = per_token
-        else:
-            self._prefill_per_token += 0.2 * (per_token - self._prefill_per_token)
-
-    def _prefill_fade(self, now_s: float) -> float:
-        """1 while prefill samples are recent, then fading once they stop coming: a
-        burst's figure must not keep refusing work (refused work brings no new samples),
-        yet an idle cluster still knows roughly what a prefill costs."""
-        age_s = now_s - self._prefill_at_s
-        if age_s <= PREFILL_FRESH_S:
-            return 1.0
-        return math.exp(-(age_s - PREFILL_FRESH_S) / PREFILL_FADE_S)
-
-    def _reported_prefill_ms(self, now_s: float) -> float:
-        """The prefill a request arriving now would see: the recent per-prefill time,
-        times the prefills it would share the engine with (those waiting for their first
-        token, and itself)."""
-        return self._prefill_ms_avg * self._prefill_fade(now_s) * (len(self._prefilling) + 1)
-
-    def _reported_prefill_per_token(self, now_s: float) -> float:
-        """The recent cost of a prompt token (0 until a long prompt was measured)."""
-        return self._prefill_per_token * self._prefill_fade(now_s)
 
     def _abandon(self, job_ids: list[str]) -> None:
         """Give up jobs whose lease is no longer this worker's (found at renewal, or by
@@ -579,7 +533,7 @@ class Consumer:
 
     async def _stats_loop(self) -> None:
         """Rewrite the last beat's stats with the prefills as they are now, soon after
-        they change (admission multiplies the prefill time by their count)."""
+        they change (admission counts the prompt tokens they hold)."""
         while True:
             await self._prefilling_changed.wait()  # close() sets it too
             if not self._closing.is_set():
@@ -602,12 +556,14 @@ class Consumer:
     def _live(self, stats: WorkerStats, now_s: float) -> WorkerStats:
         """``stats`` with the figures that change between beats as they are now: the jobs
         running, draining, and the prefill a request arriving now would see."""
+        prefill = self._prefilling.report(now_s)
         return dataclasses.replace(
             stats,
             running=len(self._running),
             draining=self._stopping,
-            prefill_ms=self._reported_prefill_ms(now_s),
-            prefill_ms_per_token=self._reported_prefill_per_token(now_s),
+            prefill_ms=prefill.prefill_ms,
+            prefill_ms_per_token=prefill.prefill_ms_per_token,
+            prefill_queued_ms=prefill.prefill_queued_ms,
         )
 
     def _stats_ttl_ms(self) -> int:
