@@ -268,10 +268,9 @@ async def test_a_wave_of_prefills_is_reported_by_its_tokens(
             await eventually(settled)
             stats = await _reported(redis, keys, c.worker_id)
             assert stats.prefill_ms < 400 / 3
-            # 800 tokens in at least 400 ms (and well under the 8 s one job's share of a
-            # second would make them).
+            # The wave's 800 tokens took at least 400 ms: at least 0.5 ms a token.
             per_token = stats.prefill_ms_per_token
-            assert 0.4 <= per_token < 1.0
+            assert 0.5 <= per_token < 2.0
 
             # Two jobs of 100 tokens awaiting their first token: a third waits for theirs.
             engine.release.clear()

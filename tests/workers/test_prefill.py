@@ -61,18 +61,18 @@ def test_batch_prefills_neither_queue_before_chats_nor_teach() -> None:
     assert report.prefill_ms < 200 / 2  # what the chats taught, shared by 3 or 4
 
 
-def test_queued_tokens_count_what_the_prefix_cache_leaves() -> None:
-    """Later turns of personas are mostly in the prefix cache: prompts awaiting their
-    prefill count at the recent uncached share."""
+def test_prompt_tokens_cost_what_the_prefix_cache_leaves() -> None:
+    """Later turns of personas are mostly in the prefix cache: a prompt token, awaiting
+    its prefill or arriving, costs an uncached one's time at the recent uncached share."""
     meter = PrefillMeter()
     _wave(meter, 1, 1000, start_s=0.0, took_s=0.5)  # a first turn, nothing cached
     for k in range(1, 40):  # later turns: 100 of 1,000 tokens uncached
         meter.started(f"t{k}", 1000, True, float(k))
         meter.first_token(f"t{k}", 60.0, 1, 100, k + 0.06)
     meter.started("next", 1000, True, 41.0)
-    queued = meter.report(41.0).prefill_queued_ms
-    per_token = meter.report(41.0).prefill_ms_per_token
-    assert queued == pytest.approx(100 * per_token, rel=0.05)
+    report = meter.report(41.0)
+    assert report.prefill_ms_per_token == pytest.approx(0.5 * 0.1, rel=0.05)
+    assert report.prefill_queued_ms == pytest.approx(1000 * report.prefill_ms_per_token)
 
 
 def test_load_that_never_drains_still_teaches() -> None:

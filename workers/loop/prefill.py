@@ -6,10 +6,12 @@ A worker reports three figures with its stats (``cluster.wire.protocol.WorkerSta
   prefill's time is divided by the prefills it shared the engine with (a wave of 32
   arrivals waits for its first tokens together), and the figure is their recent average.
 - ``prefill_ms_per_token``: the engine's recent cost of a prompt token when it prefills
-  many together, learnt from busy periods (chat prefills pending without a break) of at
-  least ``PER_TOKEN_MIN_TOKENS`` uncached tokens: their time over their tokens, in sums
-  that weigh recent periods most. A short prompt alone teaches nothing: its time is the
-  step it joins, not its tokens.
+  many together. The cost of an uncached token is learnt from busy periods (chat prefills
+  pending without a break) of at least ``PER_TOKEN_MIN_TOKENS`` uncached tokens: their
+  time over their tokens, in sums that weigh recent periods most. A short prompt alone
+  teaches nothing: its time is the step it joins, not its tokens. A prompt token costs
+  that times the recent uncached share of chat prompts, since the prefix cache serves the
+  rest and the engine's count of cached tokens comes with the first token only.
 - ``prefill_queued_ms``: the prompt tokens awaiting their prefill now, at that cost: what a
   chat arriving now waits for before its own prompt is prefilled.
 
@@ -20,9 +22,7 @@ refused some, where they took 1.1 to 1.5 s (docs/benchmarks.md).
 
 Batch prefills are left out of the queued tokens and of what is learnt: a chat's prefill
 goes before them (the engine schedules by priority), and long batch prompts (multi-turn
-backfills) must not make chats look infeasible. The queued tokens are prompt tokens
-scaled by the recent uncached share of chat prompts, since the prefix cache serves the
-rest and the engine's count of cached tokens comes with the first token only.
+backfills) must not make chats look infeasible.
 
 All figures fade once samples stop coming (``fade``): refused work brings no new samples,
 so a burst's figure must not refuse work for ever, yet an idle cluster still knows
@@ -154,11 +154,11 @@ class PrefillMeter:
     def report(self, now_s: float) -> PrefillReport:
         """The figures as a chat arriving at ``now_s`` would see them."""
         weight = fade(now_s, self._last_sample_s)
-        tokens = self._busy_tokens_sum
-        per_token = self._busy_ms_sum / tokens * weight if tokens else 0.0
-        queued_tokens = sum(self._pending.values()) * self._uncached_share
+        learnt = self._busy_tokens_sum
+        per_uncached = self._busy_ms_sum / learnt if learnt else 0.0
+        per_token = per_uncached * self._uncached_share * weight
         return PrefillReport(
             prefill_ms=self._per_prefill_ms * weight,
             prefill_ms_per_token=per_token,
-            prefill_queued_ms=per_token * queued_tokens,
+            prefill_queued_ms=per_token * sum(self._pending.values()),
         )
