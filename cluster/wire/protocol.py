@@ -179,8 +179,9 @@ class WorkerStats:
     # prefills it shared the engine with (workers/loop/prefill.py).
     completed_per_s: float = 0.0
     prefill_ms: float = 0.0
-    # v3: the recent cost of a prompt token in a prefill (ms), learnt from busy periods of
-    # 256 uncached tokens or more (0 until then), what admission estimates prompts from.
+    # v3: the recent cost of a prompt token in a prefill (ms): an uncached token's, learnt
+    # from busy periods of 256 uncached tokens or more (0 until then), times the recent
+    # uncached share of prompts. What admission estimates prompts from.
     prefill_ms_per_token: float = 0.0
     # v4: whether the replica's engine honours a request's ``seed`` (vLLM's CPU build
     # cannot), so a gateway refuses a seed no replica can honour before queueing it.
