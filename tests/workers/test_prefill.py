@@ -10,9 +10,10 @@ from workers.loop.prefill import PER_TOKEN_SAMPLE_TOKENS, PREFILL_FRESH_S, Prefi
 def _wave(meter: PrefillMeter, n: int, tokens: int, start_s: float, took_s: float) -> None:
     """``n`` chats of ``tokens`` uncached prompt tokens that start together and all have
     their first token ``took_s`` later (the engine prefills them in one step)."""
-    contenders = [meter.started(f"{start_s}-{i}", tokens, True, start_s) for i in range(n)]
-    for i, shared in enumerate(contenders):
-        meter.first_token(f"{start_s}-{i}", took_s * 1000.0, shared, tokens, start_s + took_s)
+    for i in range(n):
+        meter.started(f"{start_s}-{i}", tokens, True, start_s)
+    for i in range(n):
+        meter.first_token(f"{start_s}-{i}", took_s * 1000.0, tokens, start_s + took_s)
 
 
 def test_a_wave_is_estimated_by_its_tokens_not_its_count() -> None:
@@ -52,7 +53,7 @@ def test_batch_prefills_neither_queue_before_chats_nor_teach() -> None:
     meter = PrefillMeter()
     _wave(meter, 4, 100, start_s=0.0, took_s=0.2)  # 400 tokens in 200 ms
     assert meter.started("b", 1500, False, 1.0) == 1
-    meter.first_token("b", 3000.0, 1, 1500, 4.0)  # a slow batch prefill
+    meter.first_token("b", 3000.0, 1500, 4.0)  # a slow batch prefill
     assert meter.started("b2", 1500, False, 4.0) == 1
     assert meter.started("chat", 100, True, 4.0) == 2  # shares the engine with it
     report = meter.report(4.0)
@@ -68,7 +69,7 @@ def test_prompt_tokens_cost_what_the_prefix_cache_leaves() -> None:
     _wave(meter, 1, 1000, start_s=0.0, took_s=0.5)  # a first turn, nothing cached
     for k in range(1, 40):  # later turns: 100 of 1,000 tokens uncached
         meter.started(f"t{k}", 1000, True, float(k))
-        meter.first_token(f"t{k}", 60.0, 1, 100, k + 0.06)
+        meter.first_token(f"t{k}", 60.0, 100, k + 0.06)
     meter.started("next", 1000, True, 41.0)
     report = meter.report(41.0)
     assert report.prefill_ms_per_token == pytest.approx(0.5 * 0.1, rel=0.05)
@@ -83,7 +84,7 @@ def test_load_that_never_drains_still_teaches() -> None:
     for k in range(1, PER_TOKEN_SAMPLE_TOKENS // 200 + 2):
         meter.started(f"j{k}", 200, True, t)  # the next one is waiting already
         t += 0.1
-        meter.first_token(f"j{k - 1}", 100.0, 2, 200, t)
+        meter.first_token(f"j{k - 1}", 100.0, 200, t)
     assert meter.pending == 1
     assert meter.report(t).prefill_ms_per_token == pytest.approx(0.5)
 

@@ -294,8 +294,7 @@ class Consumer:
             # vLLM's own spans (when its tracing is on) nest under this worker's.
             engine_job = dataclasses.replace(job, traceparent=stream.trace.traceparent)
         started_s = time.perf_counter()
-        # The prefills this one shares the engine with as it starts, itself included.
-        contenders = self._prefilling.started(
+        self._prefilling.started(
             job.id,
             len(job.prompt_token_ids),
             # Admission estimates latency-bound work: long batch prefills (multi-turn
@@ -318,7 +317,7 @@ class Consumer:
                 self._engine,
                 engine_job,
                 engine_priority(job),
-                functools.partial(self._on_output, stream, started_s, contenders),
+                functools.partial(self._on_output, stream, started_s),
             )
             if not stream.finished:
                 stream.finish_reason = "stop"
@@ -407,18 +406,15 @@ class Consumer:
             },
         )
 
-    def _on_output(
-        self, stream: RequestStream, started_s: float, contenders: int, out: EngineOutput
-    ) -> None:
-        """Take one engine output of ``stream``'s job (which started beside ``contenders``
-        prefills, itself included): called once per step and request, so it does only
-        what each token needs."""
+    def _on_output(self, stream: RequestStream, started_s: float, out: EngineOutput) -> None:
+        """Take one engine output of ``stream``'s job: called once per step and request,
+        so it does only what each token needs."""
         assert self._publisher is not None
         if stream.seq == 0 and not stream.pending_ids:
             stream.prefill_ms = (time.perf_counter() - started_s) * 1000.0
             uncached = len(stream.job.prompt_token_ids) - out.cached_tokens
             self._prefilling.first_token(
-                stream.job.id, stream.prefill_ms, contenders, uncached, time.monotonic()
+                stream.job.id, stream.prefill_ms, uncached, time.monotonic()
             )
             self._prefilling_changed.set()
             if stream.trace is not None:

@@ -78,9 +78,10 @@ class PrefillMeter:
     """
 
     def __init__(self) -> None:
-        # Job id -> the prompt tokens it puts before a chat arriving now (0 for batch).
-        self._pending: dict[str, int] = {}
-        self._chat_pending = 0  # jobs in _pending with tokens
+        # Job id -> the prompt tokens it puts before a chat arriving now (0 for batch), and
+        # the prefills it started beside, itself included.
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._queued_tokens = 0  # their tokens: 0 exactly when no chat prefill is pending
         self._per_prefill_ms = 0.0
         # Recent busy periods' time (ms) and uncached tokens, each weighted down by
         # SMOOTHING as a newer one is added: their ratio is the cost of a token.
@@ -106,23 +107,20 @@ class PrefillMeter:
         """Note a job handed to the engine; returns the prefills it starts beside, itself
         included."""
         tokens = prompt_tokens if chat else 0
-        if tokens:
-            if self._chat_pending == 0:
-                self._busy_since_s, self._busy_tokens, self._busy_learnt = now_s, 0, False
-            self._chat_pending += 1
-        self._pending[job_id] = tokens
-        return len(self._pending)
+        if tokens and not self._queued_tokens:
+            self._busy_since_s, self._busy_tokens, self._busy_learnt = now_s, 0, False
+        self._queued_tokens += tokens
+        contenders = len(self._pending) + 1
+        self._pending[job_id] = (tokens, contenders)
+        return contenders
 
-    def first_token(
-        self, job_id: str, prefill_ms: float, contenders: int, uncached: int, now_s: float
-    ) -> None:
-        """Learn from a job's first token, ``prefill_ms`` after it started beside
-        ``contenders`` prefills (itself included), with ``uncached`` prompt tokens the
-        prefix cache did not hold."""
+    def first_token(self, job_id: str, prefill_ms: float, uncached: int, now_s: float) -> None:
+        """Learn from a job's first token, ``prefill_ms`` after it started, with
+        ``uncached`` prompt tokens the prefix cache did not hold."""
+        tokens, contenders = self._pending.get(job_id, (0, 1))
         # Shared with those before it and those that joined since (still waiting now, or
         # coming out of this same step), itself included.
         shared = max(contenders, len(self._pending))
-        tokens = self._pending.get(job_id, 0)
         self._forget(job_id)
         if not tokens:
             return  # batch work, or a job already forgotten
@@ -130,7 +128,7 @@ class PrefillMeter:
         self._per_prefill_ms = _smoothed(self._per_prefill_ms, prefill_ms / shared)
         self._uncached_share = _smoothed(self._uncached_share, min(1.0, uncached / tokens))
         self._busy_tokens += uncached
-        drained = self._chat_pending == 0
+        drained = not self._queued_tokens
         if self._busy_tokens >= PER_TOKEN_SAMPLE_TOKENS or (
             drained and (self._busy_learnt or self._busy_tokens >= PER_TOKEN_MIN_TOKENS)
         ):
@@ -148,8 +146,8 @@ class PrefillMeter:
         return True
 
     def _forget(self, job_id: str) -> None:
-        if self._pending.pop(job_id, 0):
-            self._chat_pending -= 1
+        tokens, _ = self._pending.pop(job_id, (0, 0))
+        self._queued_tokens -= tokens
 
     def report(self, now_s: float) -> PrefillReport:
         """The figures as a chat arriving at ``now_s`` would see them."""
@@ -160,5 +158,5 @@ class PrefillMeter:
         return PrefillReport(
             prefill_ms=self._per_prefill_ms * weight,
             prefill_ms_per_token=per_token,
-            prefill_queued_ms=per_token * sum(self._pending.values()),
+            prefill_queued_ms=per_token * self._queued_tokens,
         )
