@@ -12,9 +12,10 @@ import redis.asyncio as aioredis
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job, WorkerStats
-from cluster.wire.queue import JobQueue
+from cluster.wire.queue import Claimed, JobQueue
 from tests.fakes import FakeEngine, FakePushEngine
 from tests.polling import Signal, eventually
+from workers.engines.base import EngineOutput
 from workers.loop.config import ConsumerConfig
 from workers.loop.consumer import Consumer
 
@@ -152,6 +153,43 @@ async def test_claims_only_while_slots_are_free(
             await inbox.final(f"r{i}")
     assert engine.max_running_seen == held
     assert sorted(engine.started) == [f"r{i}" for i in range(5)]
+
+
+async def test_a_claimed_job_reaches_the_engine_before_the_next_claim(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """The claim loop lets a claimed job's task hand it to the engine before it packs and
+    sends its next claim: that round trip must not sit in front of the job's first step."""
+    events: list[str] = []
+
+    class RecordingEngine(FakeEngine):
+        async def generate(self, job: Job, priority: int) -> AsyncIterator[EngineOutput]:
+            events.append(f"start {job.id}")
+            async for out in super().generate(job, priority):
+                yield out
+
+    engine = RecordingEngine(max_slots=2)
+    consumer = Consumer(redis_url, keys, engine, ConsumerConfig(lease_ms=5000, heartbeat_ms=100))
+    await consumer.start()
+    try:
+        assert consumer._queue is not None
+        claim = consumer._queue.claim
+
+        async def recording_claim(*args: object, **kwargs: object) -> Claimed:
+            events.append("claim")
+            return await claim(*args, **kwargs)  # type: ignore[arg-type]
+
+        consumer._queue.claim = recording_claim  # type: ignore[method-assign]
+        queue = JobQueue(redis, keys)
+        async with Inbox(redis, keys.inbox("g1")) as inbox:
+            await queue.enqueue(make_job("r1", inbox.channel))
+            await inbox.final("r1")
+    finally:
+        await consumer.close()
+    first = events.index("start r1")
+    # The claim that took r1 came before its start; the next one only after it.
+    assert events[:first].count("claim") >= 1
+    assert first + 1 < len(events) and events[first + 1] == "claim"
 
 
 async def test_expired_job_is_dropped_with_a_clear_error(
