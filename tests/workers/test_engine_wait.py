@@ -18,13 +18,7 @@ from typing import Any
 import pytest
 
 from workers.engines import engine_wait
-from workers.engines.config import (
-    NICE_ENV,
-    POLLING_ENGINE_CORE_NICE,
-    SPIN_BELOW_ENV,
-    SPIN_ENV,
-    EngineConfig,
-)
+from workers.engines.config import NICE_ENV, POLLING_ENGINE_CORE_NICE, SPIN_ENV, EngineConfig
 
 
 def _condition_class() -> type:
@@ -202,50 +196,3 @@ def test_without_the_privilege_the_engine_core_runs_on(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(engine_wait.os, "setpriority", refuse)
     assert not engine_wait.set_nice(-10)
-
-
-def test_the_mode_spins_while_few_requests_run_and_polls_at_its_nice_value() -> None:
-    mode = engine_wait.WaitMode()
-    reniced: list[int] = []
-    mode.configure(4, -10, renice=lambda nice: reniced.append(nice) or True)
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    assert mode.spinning and reniced == []  # an engine starts idle
-    seen = []
-    for running in [1, 3, 4, 5, 3, 2, 4, 1]:
-        mode.note_running(running)
-        seen.append(mode.spinning)
-    # Polls from 4 running; spins again only at 2 (half of 4), not at 3.
-    assert seen == [True, True, False, False, False, True, False, True]
-    assert reniced == [-10, own, -10, own]
-
-
-def test_a_mode_that_never_spins_polls_at_its_nice_value_from_the_start() -> None:
-    mode = engine_wait.WaitMode()
-    reniced: list[int] = []
-    mode.configure(0, -10, renice=lambda nice: reniced.append(nice) or True)
-    for running in [0, 1, 50, 0]:
-        mode.note_running(running)
-        assert not mode.spinning
-    assert reniced == [-10]
-
-
-def test_a_spinning_mode_leaves_the_wait_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    condition = _condition_class()
-    assert engine_wait.stop_spinning(condition)
-    mode = engine_wait.WaitMode()
-    monkeypatch.setattr(engine_wait, "MODE", mode)
-    slept: list[float] = []
-    monkeypatch.setattr(engine_wait.time, "sleep", slept.append)
-    reader: Any = condition()
-    mode.configure(4, None)
-    reader.wait(100)  # one request: vLLM's own spin
-    mode.note_running(8)
-    reader.wait(100)  # eight: a sleep
-    assert reader.waits == ["spin"]
-    assert slept == [engine_wait.POLL_S]
-
-
-def test_a_polling_engine_core_is_told_when_to_spin() -> None:
-    env = EngineConfig(device="cpu", engine_core_spin_below=6).env()
-    assert env[SPIN_ENV] == "0" and env[SPIN_BELOW_ENV] == "6"
-    assert SPIN_BELOW_ENV not in EngineConfig(device="cpu", engine_core_spin=True).env()

@@ -32,8 +32,6 @@ BATCH_PREFILL_ENV = "CHARSERVE_BATCH_PREFILL_TOKENS"
 SPIN_ENV = "CHARSERVE_ENGINE_CORE_SPIN"
 # How EngineConfig.engine_core_nice reaches it (workers/engines/engine_wait.py reads it).
 NICE_ENV = "CHARSERVE_ENGINE_CORE_NICE"
-# How EngineConfig.engine_core_spin_below reaches it.
-SPIN_BELOW_ENV = "CHARSERVE_ENGINE_CORE_SPIN_BELOW"
 # The engine core's nice value when it polls (does not spin) and the config says none.
 POLLING_ENGINE_CORE_NICE = -10
 
@@ -291,14 +289,6 @@ class EngineConfig(BaseModel):
         "core to the gateway, the replica and Redis; workers/engines/engine_wait.py). "
         "None: spin on CUDA (cores to spare), sleep on the CPU.",
     )
-    engine_core_spin_below: int = Field(
-        default=4,
-        ge=0,
-        description="With latency_first_steps and a polling engine core: it still spins, "
-        "at its own priority, while fewer requests than this run (then the gateway, the "
-        "replica and Redis have little to do, and a spin sees a step's result at once); "
-        "it spins again once the count is down to half. 0: it always polls.",
-    )
     engine_core_nice: int | None = Field(
         default=None,
         ge=-20,
@@ -493,8 +483,6 @@ class EngineConfig(BaseModel):
         nice = self.core_nice()
         if nice is not None:
             env[NICE_ENV] = str(nice)
-        if not self.spins():
-            env[SPIN_BELOW_ENV] = str(self.engine_core_spin_below)
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
             if not self.enforce_eager:

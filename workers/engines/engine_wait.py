@@ -28,17 +28,6 @@ docs/benchmarks.md has what that did to throughput at 32 streams. The model work
 its priority: it spins while it waits for the next step, and a spinning process given
 priority would take its core from everything else.
 
-While few requests run, the engine core still spins as vLLM's does, at its own priority
-(:class:`WaitMode`, ``engine.engine_core_spin_below``): then the gateway, the replica and
-Redis have little to do per step, and a step's result is seen at once (a 0.2 ms sleep
-takes about 0.3 ms here). At one stream vLLM's server with charserve's scheduler polling
-gave an inter-token p50 of 20.1 to 20.9 ms, and with vLLM's spin 18.1 to 18.4 ms
-(docs/benchmarks.md): more than one late read per step explains, and the rest of the
-cause is not pinned down. Spinning at nice -10 was worse than either (21 to 25 ms), so a
-spinning engine core keeps its own priority. The scheduler tells the mode the running
-count every step; the switch back to spinning waits until the count has halved, so a load
-at the threshold does not flip the priority every step.
-
 vLLM's ``SpinCondition`` is a private interface: :func:`check_spin_api` says at start-up
 when the installed vLLM no longer has what this relies on, and the engine then runs as
 vLLM made it.
@@ -55,7 +44,7 @@ from typing import Any
 import structlog
 
 from cluster.runtime.introspect import missing_names
-from workers.engines.config import NICE_ENV, SPIN_BELOW_ENV, SPIN_ENV
+from workers.engines.config import NICE_ENV, SPIN_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -79,18 +68,10 @@ def wanted_nice() -> int | None:
     return int(value) if value else None
 
 
-def spin_below() -> int:
-    """While fewer requests than this run, a polling engine core spins instead
-    (``SPIN_BELOW_ENV``; 0: it always polls)."""
-    value = os.environ.get(SPIN_BELOW_ENV, "")
-    return max(0, int(value)) if value else 0
-
-
-def set_nice(nice: int, tasks: Path = Path("/proc/self/task"), *, quiet: bool = False) -> bool:
+def set_nice(nice: int, tasks: Path = Path("/proc/self/task")) -> bool:
     """Give every thread of this process the nice value ``nice`` (on Linux a nice value
     is a thread's; threads started later inherit their starter's). True if done; False,
-    logged, when the process may not (a negative value needs CAP_SYS_NICE). ``quiet``
-    logs success at debug level (the wait mode switches at run time)."""
+    logged, when the process may not (a negative value needs CAP_SYS_NICE)."""
     ids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
     for tid in ids:
         try:
@@ -100,9 +81,7 @@ def set_nice(nice: int, tasks: Path = Path("/proc/self/task"), *, quiet: bool = 
         except PermissionError as exc:
             log.warning("the engine core keeps its priority", nice=nice, reason=str(exc))
             return False
-    (log.debug if quiet else log.info)(
-        "the engine core runs at its nice value", nice=nice, threads=len(ids)
-    )
+    log.info("the engine core runs at its nice value", nice=nice, threads=len(ids))
     return True
 
 
@@ -141,9 +120,8 @@ def stop_spinning(condition: type | None = None) -> bool:
         return False
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
-        if MODE.spinning or time.monotonic() > self.last_read + self.busy_loop_s:
-            # Few requests run (vLLM's spin), or idle for a while (vLLM's own wait on
-            # the notification socket).
+        if time.monotonic() > self.last_read + self.busy_loop_s:
+            # Idle for a while: vLLM's own wait on the notification socket.
             original(self, timeout_ms)
         else:
             time.sleep(POLL_S)
@@ -152,55 +130,3 @@ def stop_spinning(condition: type | None = None) -> bool:
     condition.wait = wait  # type: ignore[attr-defined]
     log.info("the engine core polls its worker with sleeps, not spinning", poll_s=POLL_S)
     return True
-
-
-class WaitMode:
-    """Whether the engine core spins or polls now, by how many requests run.
-
-    Spins while fewer than ``spin_below`` run, at the process's own priority; polls from
-    that count up, at ``nice`` (None: unchanged), and spins again once the count is down
-    to half of ``spin_below``. ``spin_below`` 0 keeps it polling; an unconfigured mode
-    (the patch not applied) never decides anything.
-    """
-
-    def __init__(self) -> None:
-        self.spinning = False
-        self._spin_below = 0
-        self._nice: int | None = None
-        self._own_nice = 0
-        self._renice: Callable[[int], bool] = lambda nice: set_nice(nice, quiet=True)
-
-    def configure(
-        self,
-        spin_below: int,
-        nice: int | None,
-        renice: Callable[[int], bool] | None = None,
-    ) -> None:
-        """Start deciding: spinning when ``spin_below`` > 0 (an engine starts idle),
-        else polling at ``nice`` from now on."""
-        self._spin_below = spin_below
-        self._nice = nice
-        self._own_nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if renice is not None:
-            self._renice = renice
-        self.spinning = spin_below > 0
-        if not self.spinning and nice is not None:
-            self._renice(nice)
-
-    def note_running(self, running: int) -> None:
-        """Called by the scheduler every step with the requests it runs."""
-        if self._spin_below <= 0:
-            return
-        if self.spinning:
-            if running >= self._spin_below:
-                self.spinning = False
-                if self._nice is not None:
-                    self._renice(self._nice)
-        elif running <= self._spin_below // 2:
-            self.spinning = True
-            if self._nice is not None:
-                self._renice(self._own_nice)
-
-
-# The engine core's one mode (the scheduler in that process configures and feeds it).
-MODE = WaitMode()

@@ -47,7 +47,6 @@ from vllm.v1.request import Request
 
 from cluster.errors import ConfigError
 from cluster.runtime.introspect import missing_names
-from workers.engines import engine_wait
 from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV
 from workers.engines.engine_wait import set_nice, spin_wanted, stop_spinning, wanted_nice
@@ -148,7 +147,6 @@ class _LatencyFirst:
         return count
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        engine_wait.MODE.note_running(len(self.running))
         cap = self.max_num_active_reqs
         urgent_waiting = self._urgent_waiting() if len(self.running) < cap else 0
         urgent_prefill = urgent_waiting > 0 or any(
@@ -210,13 +208,12 @@ def latency_first_scheduler(*, vllm_config: VllmConfig, **kwargs: Any) -> Schedu
     here, when the engine core builds its scheduler.
     """
     check_scheduler_api()
+    if not spin_wanted():
+        # Built after the executor: its queue readers exist, and poll with sleeps from now on.
+        stop_spinning()
     nice = wanted_nice()
-    # Built after the executor: its queue readers exist, and its model workers were
-    # started and keep their priority.
-    if not spin_wanted() and stop_spinning():
-        # Polling from now on, except while few requests run (engine_wait.WaitMode).
-        engine_wait.MODE.configure(engine_wait.spin_below(), nice)
-    elif nice is not None:  # spinning as asked, or vLLM's queue is not what we patch
+    if nice is not None:
+        # Built after the executor: its model workers were started and keep their priority.
         set_nice(nice)
     if vllm_config.scheduler_config.async_scheduling:
         return LatencyFirstAsyncScheduler(vllm_config=vllm_config, **kwargs)
