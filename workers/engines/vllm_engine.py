@@ -165,13 +165,18 @@ class VllmEngine:
                 max_tokens=job.max_tokens - len(job.resume_token_ids),
                 output_kind=RequestOutputKind.DELTA,
             )
+            # Rendered here, on the loop: vLLM processes a raw prompt on its renderer's
+            # thread pool (a raw prompt may need tokenizing), and that hop put a thread
+            # handoff and a wake of this loop in front of every job's first step. Token
+            # ids need no tokenizing; the rendered input is processed synchronously.
+            (prompt,) = self._llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt_ids)])
         except (TypeError, ValueError, VLLMClientError) as exc:
             raise InvalidJobError(str(exc)) from exc
         # vLLM's own request span joins the job's trace, when vLLM exports traces (it
         # warns on every request given headers it cannot use).
         traced = job.traceparent and self._config.engine_args.get("otlp_traces_endpoint")
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids),
+            prompt,
             params,
             job.id,
             priority=priority,
