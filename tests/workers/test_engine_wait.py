@@ -57,6 +57,72 @@ def test_a_reader_sleeps_instead_of_spinning(monkeypatch: pytest.MonkeyPatch) ->
     assert made_before.waits == []
 
 
+def test_a_reader_sleeps_long_while_a_step_is_young_and_polls_once_it_is_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    condition = _condition_class()
+    assert engine_wait.stop_spinning(condition)
+    reader: Any = condition()
+    slept: list[float] = []
+    monkeypatch.setattr(engine_wait.time, "sleep", slept.append)
+    clock = [100.0]
+    monkeypatch.setattr(engine_wait.time, "monotonic", lambda: clock[0])
+    # Two reads per step, as vLLM's engine core makes them: the forward pass's reply
+    # 19 ms after the last step's tokens, then the step's tokens 1 ms later.
+    last = reader.last_read = 100.0
+    for _ in range(4):
+        for gap in (0.019, 0.001):
+            reader.wait(100)  # sees the previous read
+            last += gap
+            reader.last_read = last
+    clock[0] = last + 0.001
+    reader.wait(100)
+    # 1 ms into a forward pass expected to take 19 ms: half of the 18 ms left, capped.
+    assert slept[-1] == engine_wait.MAX_SLEEP_S
+    clock[0] = last + 0.016
+    reader.wait(100)
+    assert slept[-1] == pytest.approx(0.0015)  # half of the 3 ms left
+    clock[0] = last + 0.0189
+    reader.wait(100)
+    assert slept[-1] == engine_wait.POLL_S  # due: polls as before
+    clock[0] = last + 0.050
+    reader.wait(100)
+    assert slept[-1] == engine_wait.POLL_S  # late: still polls, never waits longer
+    last += 0.019
+    reader.last_read = clock[0] = last
+    reader.wait(100)
+    # The sampled tokens are due 1 ms after the forward pass's reply.
+    assert slept[-1] == pytest.approx(engine_wait.LEAD * 0.001)
+    assert slept[0] == engine_wait.POLL_S  # no gap known yet
+    assert reader.waits == []
+
+
+def test_the_shortest_recent_step_sets_the_sleep() -> None:
+    gaps = engine_wait.StepGaps(0.0)
+    last_read = 0.0
+    for forward in (0.0060, 0.0060, 0.0020, 0.0060):  # one 2 ms forward among 6 ms ones
+        for gap in (forward, 0.001):
+            last_read += gap
+            gaps.sleep_s(last_read, last_read)
+    assert gaps.sleep_s(last_read, last_read) == pytest.approx(engine_wait.LEAD * 0.0020)
+    # After enough longer steps the short one is forgotten.
+    for _ in range(engine_wait.GAPS):
+        for gap in (0.0036, 0.001):
+            last_read += gap
+            gaps.sleep_s(last_read, last_read)
+    assert gaps.sleep_s(last_read, last_read) == pytest.approx(engine_wait.LEAD * 0.0036)
+
+
+def test_a_broken_pattern_polls_until_it_is_back() -> None:
+    gaps = engine_wait.StepGaps(0.0)
+    last_read = 0.0
+    for gap in (0.060, 0.001) * 4 + (0.001,):  # one read outside the steps
+        last_read += gap
+        gaps.sleep_s(last_read, last_read)
+    # The next gap is a forward pass's, but short gaps are among those two reads apart.
+    assert gaps.sleep_s(last_read, last_read) == pytest.approx(engine_wait.LEAD * 0.001)
+
+
 def test_an_idle_reader_waits_on_its_socket_as_vllm_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
