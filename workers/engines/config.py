@@ -285,9 +285,8 @@ class EngineConfig(BaseModel):
     engine_core_spin: bool | None = Field(
         default=None,
         description="With latency_first_steps: let vLLM's engine core spin while its model "
-        "worker runs a step, as vLLM does (off: it sleeps while the step is young and polls "
-        "every 0.2 ms once its result is due, leaving the core to the gateway, the "
-        "replica and Redis; workers/engines/engine_wait.py). "
+        "worker runs a step, as vLLM does (off: it polls with 0.2 ms sleeps, leaving the "
+        "core to the gateway, the replica and Redis; workers/engines/engine_wait.py). "
         "None: spin on CUDA (cores to spare), sleep on the CPU.",
     )
     engine_core_nice: int | None = Field(
@@ -296,7 +295,7 @@ class EngineConfig(BaseModel):
         le=19,
         description="With latency_first_steps: the nice value of vLLM's engine core "
         "process (its scheduler), set in that process at start; its model workers keep "
-        "theirs. A polling engine core wakes for a moment's work, and each "
+        "theirs. A polling engine core wakes every 0.2 ms for a moment's work, and each "
         "step waits for it: with a higher priority it does not wait behind the gateway, "
         "the replica and Redis on a busy core (workers/engines/engine_wait.py). A "
         "negative value needs CAP_SYS_NICE; without it the engine core keeps its "
