@@ -2,7 +2,8 @@
 measured by vLLM's benchmark client and by ``charserve bench``.
 
 Per round, each peer in turn is started, warmed, measured at every concurrency by every
-client, and stopped, so no two engines ever share the cores:
+client, and stopped, so no two engines ever share the cores; even rounds run the peers in
+reverse order (:func:`round_order`):
 
 - ``charserve``: ``charserve up`` (the default config, as ``make run`` serves it);
 - ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model M`` with vLLM's own
@@ -29,7 +30,8 @@ While each client runs, a thread samples the server's ``vllm:num_requests_runnin
 own gauge, on both: charserve's gateway ``/metrics`` carries its replicas') and
 ``running_mean`` is its mean over the client's measured window: the engine's batch size at
 that offered load. Every run's JSON is kept in ``--out``; the table gives each figure's
-median over rounds and its ratio to ``vllm`` measured by the same client.
+median over rounds and its ratio to ``vllm`` measured by the same client, then each
+round's own ratios (:func:`round_ratios`), whose spread is the machine's noise.
 
 On this machine vLLM's default ``gpu_memory_utilization`` (0.92 of the CPU's NUMA node)
 is more than is free once vLLM has loaded, and it refuses to start; ``--vllm-memory``
@@ -464,6 +466,13 @@ def running_mean(
     return (statistics.fmean(picked) if picked else NAN), len(picked)
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The peers in the order round ``r`` (from 1) runs them: as given in odd rounds,
+    reversed in even ones, so a machine that drifts one way through a run does not
+    always favour the peer measured second."""
+    return list(names) if r % 2 else list(reversed(names))
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run every round; one row per (round, peer, client, concurrency)."""
     out = Path(args.out)
@@ -472,7 +481,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     known = peers(args, model_path)
     rows: list[dict[str, Any]] = []
     for r in range(1, args.rounds + 1):
-        for name in args.peers:
+        for name in round_order(args.peers, r):
             peer = known[name]
             logfile = (out / f"{name}-server-{r}.log").open("wb")
             process = subprocess.Popen(
@@ -554,8 +563,34 @@ def _median(values: list[float]) -> float:
     return statistics.median(numbers) if numbers else NAN
 
 
+def _is_number(value: Any) -> bool:
+    """A figure a run took (not missing, not NaN)."""
+    return isinstance(value, int | float) and value == value
+
+
+def round_ratios(
+    rows: list[dict[str, Any]], client: str, peer: str, c: int, figures: tuple[str, ...]
+) -> dict[str, list[float]]:
+    """Each figure's ratio to ``vllm`` by the same client within every round that measured
+    both, in round order: their spread is the machine's noise between two servers run
+    minutes apart, which one ratio of medians hides."""
+    mine = {r["round"]: r for r in rows if (r["client"], r["peer"], r["c"]) == (client, peer, c)}
+    ref = {r["round"]: r for r in rows if (r["client"], r["peer"], r["c"]) == (client, "vllm", c)}
+    ratios: dict[str, list[float]] = {}
+    for f in figures:
+        values = [
+            round(mine[r][f] / ref[r][f], 3)
+            for r in sorted(mine.keys() & ref.keys())
+            if _is_number(mine[r].get(f)) and _is_number(ref[r].get(f)) and ref[r][f]
+        ]
+        if values:
+            ratios[f] = values
+    return ratios
+
+
 def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict[str, Any]]:
-    """Medians over rounds, and each figure's ratio to ``vllm`` by the same client."""
+    """Medians over rounds, and each figure's ratio to ``vllm`` by the same client; with
+    more than one round, each round's own ratios too."""
     figures = figures_of(workload)
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for row in rows:
@@ -571,6 +606,7 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         + f" {'runs':>4}"
     ]
     summary: dict[str, Any] = {}
+    spread: list[str] = []
     for (client, peer, c), m in sorted(medians.items()):
         ref = medians.get((client, "vllm", c))
         ratios = (
@@ -585,10 +621,21 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             + "".join(f" {m[f]:>7.0f}" if m[f] == m[f] else f" {'-':>7}" for f in COUNTS)
             + f" {len(groups[(client, peer, c)]):>4}"
         )
+        per_round = round_ratios(rows, client, peer, c, figures) if ratios else {}
         summary[f"{client}/{peer}/c{c}"] = {
             **m,
             **{f"{f}_over_vllm": round(v, 3) for f, v in ratios.items()},
+            **{f"{f}_over_vllm_by_round": v for f, v in per_round.items()},
         }
+        if any(len(v) > 1 for v in per_round.values()):
+            spread.append(
+                f"{client:<9} {c:>3} {peer:<10} "
+                + "  ".join(
+                    f"{f} " + "/".join(f"{v:.2f}" for v in vs) for f, vs in per_round.items()
+                )
+            )
+    if spread:
+        lines += ["", "each round's own ratios to vllm, by the same client:", *spread]
     return "\n".join(lines), summary
 
 

@@ -17,6 +17,7 @@ from cluster.bench.peers import (
     parse_running,
     prefix_order,
     read_vllm,
+    round_order,
     running_mean,
     table,
 )
@@ -48,6 +49,38 @@ def test_ratios_are_to_vllm_by_the_same_client_and_median_over_rounds() -> None:
     assert "tok_s_over_vllm" not in summary["charserve/charserve/c32"]
     assert "tok_s_over_vllm" not in summary["vllm/vllm/c32"]
     assert "(1.10x)" in text
+
+
+def test_each_round_reports_its_own_ratios_beside_the_ratio_of_medians() -> None:
+    rows = [
+        _row(1, "vllm", "vllm", 32, 300, 100),
+        _row(1, "charserve", "vllm", 32, 240, 110),
+        _row(2, "charserve", "vllm", 32, 330, 90),
+        _row(2, "vllm", "vllm", 32, 300, 100),
+        _row(3, "charserve", "vllm", 32, 999, 999),  # vLLM's run of round 3 failed
+    ]
+    text, summary = table(rows)
+    ours = summary["vllm/charserve/c32"]
+    assert ours["tok_s_over_vllm_by_round"] == [0.8, 1.1]
+    assert ours["ttft_p50_over_vllm_by_round"] == [1.1, 0.9]
+    assert ours["tok_s_over_vllm"] == 1.1  # the median of three rounds, 330, over 300
+    assert "vllm/vllm/c32" in summary
+    assert "tok_s_over_vllm_by_round" not in summary["vllm/vllm/c32"]
+    assert "each round's own ratios" in text
+    assert "tok_s 0.80/1.10" in text
+
+
+def test_one_round_prints_no_spread() -> None:
+    rows = [_row(1, "vllm", "vllm", 1, 80, 50), _row(1, "charserve", "vllm", 1, 84, 55)]
+    text, summary = table(rows)
+    assert summary["vllm/charserve/c1"]["tok_s_over_vllm_by_round"] == [1.05]
+    assert "each round's own ratios" not in text
+
+
+def test_even_rounds_run_the_peers_in_reverse_order() -> None:
+    assert round_order(["vllm", "charserve"], 1) == ["vllm", "charserve"]
+    assert round_order(["vllm", "charserve"], 2) == ["charserve", "vllm"]
+    assert round_order(["vllm", "vllm-ours", "charserve"], 4) == ["charserve", "vllm-ours", "vllm"]
 
 
 def test_running_mean_is_a_column_with_its_ratio_and_a_missing_figure_is_skipped() -> None:
