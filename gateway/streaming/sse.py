@@ -207,7 +207,13 @@ class ChunkFormatter:
         out = b""
         so_far = usage(chunk) if self.continuous_usage else None
         text, self.echo = self.echo + chunk.text, ""
-        if text or not self.role_sent:
+        # A step whose token has no text yet (the first bytes of a character, text held
+        # back by a stop string) still gets its event, with empty content, as vLLM's server
+        # sends it: clients that count events as tokens (vLLM's benchmark client) then see
+        # each step, not two steps' tokens arriving at once. A final chunk's own finish
+        # event is that step's event.
+        stepped = bool(chunk.token_ids) and not chunk.is_final
+        if text or stepped or chunk.logprobs or not self.role_sent:
             choice = self._choice(text, None, role=not self.role_sent, logprobs=chunk.logprobs)
             # Offsets matter only with logprobs, whose chunks never take the fast path.
             self._offset += len(text)

@@ -65,3 +65,31 @@ def test_events_are_framed_as_openai_frames_them_unless_ids_are_asked_for() -> N
             assert all(b"\n" not in e for e in events)
         else:
             assert ids == [b"id: 1", b"id: 2", b"id: 3", b"id: 3", b"id: 3"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_token_without_text_yet_still_gets_its_event(kind: str) -> None:
+    """The first byte of a multi-byte character decodes to no text: the step's event goes
+    out with empty content (as vLLM's server sends it), so a client counting events sees
+    one event per step; the character arrives whole with the next token."""
+    fmt = ChunkFormatter("chatcmpl-x", "m", 1, False, kind=kind)  # type: ignore[arg-type]
+    fmt.render(make_chunk(1, "a"))
+    partial = make_chunk(2, "", token_ids=[2])
+    events = fmt.render(partial).split(b"\n\n")[:-1]
+    assert len(events) == 1
+    choice = json.loads(events[0].split(b"data: ", 1)[1])["choices"][0]
+    if kind == "chat":
+        assert choice["delta"] == {"content": ""}
+    else:
+        assert choice["text"] == ""
+    assert choice["finish_reason"] is None
+
+
+def test_a_chunk_with_no_token_and_a_final_one_without_text_add_no_content_event() -> None:
+    fmt = ChunkFormatter("chatcmpl-x", "m", 1, False)
+    fmt.render(make_chunk(1, "a"))
+    assert fmt.render(make_chunk(2, "")) == b""  # nothing new: no event
+    final = fmt.render(make_chunk(3, "", token_ids=[3], finish_reason="stop")).split(b"\n\n")
+    finish = json.loads(final[0].split(b"data: ", 1)[1])["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] == "stop"
+    assert final[1:] == [b"data: [DONE]", b""]
