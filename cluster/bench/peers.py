@@ -557,32 +557,34 @@ def figures_of(workload: str) -> tuple[str, ...]:
     return PERSONA_FIGURES if workload == "persona" else FIGURES
 
 
-def _median(values: list[float]) -> float:
-    """The median of the values that are numbers (NaN: a figure the run could not take)."""
-    numbers = [v for v in values if v == v]
-    return statistics.median(numbers) if numbers else NAN
-
-
 def _is_number(value: Any) -> bool:
     """A figure a run took (not missing, not NaN)."""
     return isinstance(value, int | float) and value == value
 
 
+def _median(values: list[float]) -> float:
+    """The median of the values that are numbers (NaN: a figure the run could not take)."""
+    numbers = [v for v in values if _is_number(v)]
+    return statistics.median(numbers) if numbers else NAN
+
+
+def _ratio(value: Any, ref: Any) -> float | None:
+    """``value / ref`` when both are figures a run took and ``ref`` is not zero."""
+    return value / ref if _is_number(value) and _is_number(ref) and ref else None
+
+
 def round_ratios(
-    rows: list[dict[str, Any]], client: str, peer: str, c: int, figures: tuple[str, ...]
+    mine: list[dict[str, Any]], ref: list[dict[str, Any]], figures: tuple[str, ...]
 ) -> dict[str, list[float]]:
-    """Each figure's ratio to ``vllm`` by the same client within every round that measured
-    both, in round order: their spread is the machine's noise between two servers run
-    minutes apart, which one ratio of medians hides."""
-    mine = {r["round"]: r for r in rows if (r["client"], r["peer"], r["c"]) == (client, peer, c)}
-    ref = {r["round"]: r for r in rows if (r["client"], r["peer"], r["c"]) == (client, "vllm", c)}
+    """Each figure's ratio of ``mine`` to ``ref`` (the same client's runs of ``vllm``)
+    within every round that measured both, in round order: their spread is the machine's
+    noise between two servers run minutes apart, which one ratio of medians hides."""
+    by_round = {row["round"]: row for row in ref}
+    pairs = [(row, by_round[row["round"]]) for row in mine if row["round"] in by_round]
+    pairs.sort(key=lambda pair: pair[0]["round"])
     ratios: dict[str, list[float]] = {}
     for f in figures:
-        values = [
-            round(mine[r][f] / ref[r][f], 3)
-            for r in sorted(mine.keys() & ref.keys())
-            if _is_number(mine[r].get(f)) and _is_number(ref[r].get(f)) and ref[r][f]
-        ]
+        values = [round(x, 3) for a, b in pairs if (x := _ratio(a.get(f), b.get(f))) is not None]
         if values:
             ratios[f] = values
     return ratios
@@ -610,7 +612,7 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
     for (client, peer, c), m in sorted(medians.items()):
         ref = medians.get((client, "vllm", c))
         ratios = (
-            {f: m[f] / ref[f] for f in figures if ref[f] and ref[f] == ref[f] and m[f] == m[f]}
+            {f: x for f in figures if (x := _ratio(m[f], ref[f])) is not None}
             if ref and peer != "vllm"
             else {}
         )
@@ -621,7 +623,11 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             + "".join(f" {m[f]:>7.0f}" if m[f] == m[f] else f" {'-':>7}" for f in COUNTS)
             + f" {len(groups[(client, peer, c)]):>4}"
         )
-        per_round = round_ratios(rows, client, peer, c, figures) if ratios else {}
+        per_round = (
+            round_ratios(groups[(client, peer, c)], groups[(client, "vllm", c)], figures)
+            if ratios
+            else {}
+        )
         summary[f"{client}/{peer}/c{c}"] = {
             **m,
             **{f"{f}_over_vllm": round(v, 3) for f, v in ratios.items()},
