@@ -56,7 +56,7 @@ async def test_redis_restart_under_load(model_path: str, tmp_path: Path, persist
     port = free_port()
     data_dir = tmp_path / "redis" if persistence == "aof" else None
     server = RedisServer(port, data_dir=data_dir).start()
-    settings = gateway_settings(server.url, model_path, heartbeat_ms=200)
+    settings = gateway_settings(server.url, model_path)  # workers alive for 3 s of silence
     keys = Keys(settings.namespace)
     engine = FakeEngine(max_slots=6, delay_s=0.03)
     consumer = Consumer(server.url, keys, engine, ConsumerConfig(heartbeat_ms=200, lease_ms=3000))

@@ -238,16 +238,32 @@ async def test_unknown_fields_are_not_stored_and_queued_bytes_are_bounded(
 
 
 async def fill_up(redis: aioredis.Redis) -> None:
-    """Write junk until Redis refuses: large values, then ever smaller ones, so that what
-    is left below ``maxmemory`` is smaller than any write the gateway makes."""
+    """Write junk until Redis refuses, and keeps refusing: large values, then ever smaller
+    ones, so that what is left below ``maxmemory`` is smaller than any write the gateway
+    makes. Redis's cron shrinks this client's query buffer (about 300 KB after the large
+    writes) within a tick or two, which takes the server back under its limit: so fill
+    again with small writes after each pause, until a write after a pause is refused."""
     n = 0
-    for size in (256 * 1024, 16 * 1024, 1024, 64):
-        while True:
-            n += 1
-            try:
-                await redis.set(f"junk:{n}", b"x" * size)
-            except aioredis.ResponseError:
-                break
+
+    async def fill(sizes: tuple[int, ...]) -> int:
+        nonlocal n
+        written = 0
+        for size in sizes:
+            while True:
+                n += 1
+                try:
+                    await redis.set(f"junk:{n}", b"x" * size)
+                except aioredis.ResponseError:
+                    break
+                written += 1
+        return written
+
+    await fill((256 * 1024, 16 * 1024, 1024, 64))
+    for _ in range(50):
+        await asyncio.sleep(0.3)  # a few of the server's cron ticks (10 a second)
+        if await fill((1024, 64)) == 0:
+            return
+    raise AssertionError("Redis kept freeing memory: it never stayed full")
 
 
 async def test_a_full_redis_is_a_fast_503_and_nothing_is_half_written(
