@@ -44,7 +44,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def cmd_up(settings: Settings) -> int:
     """Run the embedded stack until Ctrl-C or SIGTERM."""
-    from cluster.ops.stack import LocalStack
+    from cluster.ops.stack import LocalStack, StackConflict
     from cluster.runtime.redis_client import redacted_url
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -61,6 +61,9 @@ def cmd_up(settings: Settings) -> int:
         sys.stderr.write(f"charserve ready on {stack.base_url}\n")
         sys.stderr.flush()
         code = stack.wait()
+    except StackConflict as exc:
+        log.error("charserve cannot start", reason=str(exc))
+        code = 1
     except KeyboardInterrupt:
         log.info("stopping")
     finally:

@@ -20,6 +20,7 @@ deploy`` on a running cluster.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -34,11 +35,14 @@ import structlog
 from cluster.ops import ray_serve
 from cluster.ops.serve_config import gateway_env, load_serve_config
 from cluster.runtime.bundled_model import resolve_model
-from cluster.runtime.net import wait_ready
+from cluster.runtime.net import check_port_free, wait_ready
 from cluster.runtime.redis_server import RedisServer
 from cluster.runtime.settings import Settings
 
 log = structlog.get_logger(__name__)
+
+# In the data folder, held by the running stack (see data_dir_lock).
+LOCK_NAME = "up.lock"
 
 
 @contextlib.contextmanager
@@ -72,6 +76,39 @@ def admin_redis_url(settings: Settings) -> str:
     raise RuntimeError("set CHARSERVE_REDIS_URL (or start `charserve up` on this machine)")
 
 
+class StackConflict(RuntimeError):
+    """What this stack needs is taken: another ``charserve up`` holds its data folder, or
+    something listens on its port."""
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: str) -> Iterator[Path]:
+    """Hold ``data_dir`` for one stack: two embedded Redis servers writing one append-only
+    file corrupt it, and the second stack's gateway cannot bind the first one's port. The
+    lock is the kernel's (``flock``), so a stack that died holds nothing; the file keeps
+    the holder's pid for the message."""
+    folder = Path(data_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    with path.open("a+") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip() or "unknown"
+            raise StackConflict(
+                f"another `charserve up` (pid {holder}) is using {folder}: stop it, or give "
+                "this one its own CHARSERVE_DATA_DIR and CHARSERVE_PORT"
+            ) from None
+        lock_file.truncate(0)
+        lock_file.write(f"{os.getpid()}\n")
+        lock_file.flush()
+        try:
+            yield path
+        finally:
+            lock_file.truncate(0)  # closing the file releases the lock
+
+
 class LocalStack:
     """Redis, Ray, the Serve app and the gateway on this machine."""
 
@@ -80,6 +117,7 @@ class LocalStack:
         self._redis: RedisServer | None = None
         self._ray_started = False
         self._gateway: subprocess.Popen[bytes] | None = None
+        self._held = contextlib.ExitStack()
         self.redis_url = settings.redis_url or ""
 
     @property
@@ -98,6 +136,15 @@ class LocalStack:
     def _start(self) -> None:
         import ray
 
+        # Refuse at once, before starting anything, what would collide with a stack
+        # already running here (its data folder, its port).
+        self._held.enter_context(data_dir_lock(self.settings.data_dir))
+        try:
+            check_port_free(self.settings.host, self.settings.port)
+        except OSError as exc:
+            raise StackConflict(
+                f"{exc.strerror}: stop what listens there, or set CHARSERVE_PORT"
+            ) from None
         model = resolve_model(self.settings.model)
         redis_url = self.settings.redis_url
         if not redis_url:
@@ -172,3 +219,4 @@ class LocalStack:
             self._redis.stop()
             self._redis = None
             url_file(self.settings).unlink(missing_ok=True)
+        self._held.close()

@@ -57,6 +57,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``OSError`` naming ``host:port`` unless a server could bind it now (with
+    ``SO_REUSEADDR``, as uvicorn binds: a port left in TIME_WAIT counts as free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"{host}:{port} is in use ({exc.strerror})") from None
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
     """Poll ``url`` until it answers 200."""
     deadline = time.monotonic() + timeout_s

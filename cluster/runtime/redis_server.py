@@ -27,6 +27,9 @@ log = structlog.get_logger(__name__)
 
 # How long an embedded server may spend loading its append-only file before start gives up.
 LOAD_TIMEOUT_S = 600.0
+# The server's log, in its folder; a failed start quotes the last warning in it.
+LOG_NAME = "redis.log"
+LOG_TAIL_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class RedisServer:
         self.acl_user = acl_user
         self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
@@ -136,6 +140,7 @@ class RedisServer:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             folder = str(self.data_dir)
             persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        self.log_path = Path(folder) / LOG_NAME
         # "-" reads config from stdin first; the command line below overrides it, so the
         # TLS lines' "port 0" must not be contradicted there.
         port = [] if self.tls is not None else ["--port", str(self.port)]
@@ -151,6 +156,9 @@ class RedisServer:
                 *persistence,
                 "--dir",
                 folder,
+                # Its own log (not a pipe nobody reads): a failed start quotes it.
+                "--logfile",
+                str(self.log_path),
                 "--protected-mode",
                 "yes",
                 "--maxmemory",
@@ -186,7 +194,7 @@ class RedisServer:
         try:
             while True:
                 if self._proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}")
+                    raise RuntimeError(self._exit_message(self._proc.returncode))
                 try:
                     client.ping()
                     return
@@ -199,6 +207,21 @@ class RedisServer:
                 time.sleep(0.02)
         finally:
             client.close()
+
+    def _exit_message(self, code: int) -> str:
+        """Why the server stopped, in its own words: the last warning of its log (a
+        corrupt append-only file, a port in use) and where the whole log is."""
+        message = f"redis-server exited with {code}"
+        if self.log_path is None or not self.log_path.is_file():
+            return message
+        with self.log_path.open("rb") as log_file:
+            log_file.seek(max(0, self.log_path.stat().st_size - LOG_TAIL_BYTES))
+            tail = log_file.read().decode(errors="replace").splitlines()
+        # Redis marks warnings with "#" after the timestamp (notices "*", verbose "-").
+        said = [line.split(" # ", 1)[1] for line in tail if " # " in line]
+        if said:
+            message += ": " + said[-1]
+        return f"{message} (its log: {self.log_path})"
 
     def stop_process(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) but keep its folder: :meth:`start`
