@@ -108,6 +108,9 @@ def start_stack(redis_url: str, **env_vars: str) -> Stack:
         **os.environ,
         "CHARSERVE_PORT": str(port),
         "CHARSERVE_REDIS_URL": redis_url,
+        # Its own data folder: one stack holds a folder, and an operator's `make run` on
+        # this machine holds the default one.
+        "CHARSERVE_DATA_DIR": str(log_dir),
         "CHARSERVE_LOG_FORMAT": "json",
         **env_vars,
     }
