@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from cluster.errors import Disconnected
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
+from cluster.wire.presence import Presence
 from cluster.wire.protocol import Chunk
 from cluster.wire.replylog import REPLY_FIELD, read_reply_log
 from cluster.wire.vocabulary import ErrorCode
@@ -175,6 +176,7 @@ class Inbox:
         self._watchdog: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
         self.redis = self._redis = redis
+        self._liveness = Presence(redis)
         self.keys = self._keys = keys
         self._queue_size = queue_size
         self._streams: dict[str, ReplyStream] = {}
@@ -208,7 +210,9 @@ class Inbox:
             log.warning("could not withdraw the gateway's presence", error=str(exc))
 
     async def _announce(self) -> None:
-        await self._redis.set(self._keys.gateway_alive(self.gateway_id), b"1", px=self._presence_ms)
+        # Through a full Redis too (see cluster.wire.presence): workers drop the streams of
+        # a gateway whose key expired.
+        await self._liveness.announce(self._keys.gateway_alive(self.gateway_id), self._presence_ms)
 
     async def _stay_present(self) -> None:
         """Refresh this gateway's liveness key (a third of its TTL apart): while it lives,

@@ -298,6 +298,57 @@ async def test_a_full_redis_is_a_fast_503_and_nothing_is_half_written(
             await consumer.close()
 
 
+async def test_a_full_redis_lets_what_runs_run(model_path: str) -> None:
+    # Redis refuses every plain write past maxmemory. Were the liveness records plain
+    # writes, a Redis kept full for a few seconds would make every worker look dead (each
+    # gateway refusing all work, /ready failing), let running jobs' leases expire, and
+    # expire the gateways' presence keys (workers then drop their streams).
+    with RedisServer(maxmemory_bytes=4 * 1024 * 1024) as server:
+        settings = gateway_settings(server.url, model_path)  # workers alive for 3 s
+        keys = Keys(settings.namespace)
+        engine = FakeEngine(max_slots=2)
+        config = ConsumerConfig(heartbeat_ms=200, lease_ms=1000)
+        consumer = Consumer(server.url, keys, engine, config)
+        await consumer.start()
+        filler = connect(server.url)
+        try:
+            async with (
+                serve_gateway(settings) as base_url,
+                httpx.AsyncClient(base_url=base_url, timeout=30) as http,
+            ):
+                engine.release.clear()  # the reply waits, mid-job, while Redis is full
+                running = asyncio.create_task(http.post("/v1/chat/completions", json=body(6)))
+                await engine.wait_until(lambda: engine.running == 1)
+                await fill_up(filler)
+                [alive] = await filler.keys(keys.gateway_alive("*"))
+                filled_ms = RedisClock.from_time_reply(await filler.time())
+                alive_until = filled_ms + await filler.pttl(alive)
+                beat = await filler.zscore(keys.workers, consumer.worker_id)
+                await asyncio.sleep(3.6)  # > a presence refresh, 3 beats, 3 leases
+                now = RedisClock.from_time_reply(await filler.time())
+                ready = await http.get("/ready")
+                refused = await http.post("/v1/chat/completions", json=body())
+                later_beat = await filler.zscore(keys.workers, consumer.worker_id)
+                [(_, lease_ends)] = await filler.zrange(keys.leases, 0, -1, withscores=True)
+                later_alive_until = now + await filler.pttl(alive)
+                engine.release.set()
+                reply = await running
+            assert ready.status_code == 200, ready.text
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "storage_full"
+            assert beat is not None and later_beat is not None and later_beat > beat + 2000
+            assert lease_ends > now
+            assert later_alive_until > alive_until
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == "".join(
+                f" t{i}" for i in range(6)
+            )
+        finally:
+            engine.release.set()
+            await filler.aclose()
+            await consumer.close()
+
+
 # 4. The event loop ------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from cluster.runtime.redis_client import connect
 from cluster.runtime.tracing import Trace, Tracing
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
+from cluster.wire.presence import Presence
 from cluster.wire.protocol import Cancel, Job, WorkerStats
 from cluster.wire.queue import JobQueue, Poison
 from cluster.wire.vocabulary import ErrorCode, PriorityClass
@@ -91,6 +92,7 @@ class Consumer:
         self._redis: aioredis.Redis | None = None
         self._blocking: aioredis.Redis | None = None
         self._queue: JobQueue | None = None
+        self._presence: Presence | None = None
         self._publisher: Publisher | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
         self._jobs: dict[str, Job] = {}
@@ -142,6 +144,7 @@ class Consumer:
         self._redis = connect(self._url)
         self._blocking = connect(self._url, blocking=True)
         self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
+        self._presence = Presence(self._redis)
         self._publisher = Publisher(
             self._redis,
             self._keys,
@@ -546,11 +549,7 @@ class Consumer:
             assert self._stats is not None and self._redis is not None
             stats = self._live(self._stats, time.monotonic())
             try:
-                await self._redis.set(
-                    self._keys.worker_stats(self.worker_id),
-                    protocol.encode(stats),
-                    px=self._stats_ttl_ms(),
-                )
+                await self._write_stats(stats, None)
             except RedisError as exc:
                 log.warning("stats refresh failed", error=str(exc))
 
@@ -565,6 +564,18 @@ class Consumer:
             prefill_ms=prefill.prefill_ms,
             prefill_ms_per_token=prefill.prefill_ms_per_token,
             prefill_queued_ms=prefill.prefill_queued_ms,
+        )
+
+    async def _write_stats(self, stats: WorkerStats, ts_ms: int | None) -> int:
+        """Write ``stats`` (and, given ``ts_ms``, the beat's score); Redis's time in ms."""
+        assert self._presence is not None
+        return await self._presence.beat(
+            self._keys.workers,
+            self._keys.worker_stats(self.worker_id),
+            self.worker_id,
+            protocol.encode(stats),
+            self._stats_ttl_ms(),
+            ts_ms,
         )
 
     def _stats_ttl_ms(self) -> int:
@@ -607,16 +618,8 @@ class Consumer:
         self._tokens_since_beat, self._completed_since_beat = 0, 0
         self._last_beat_s = now_s
         self._stats = stats
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.zadd(self._keys.workers, {self.worker_id: stats.ts_ms})
-            pipe.set(
-                self._keys.worker_stats(self.worker_id),
-                protocol.encode(stats),
-                px=self._stats_ttl_ms(),
-            )
-            redis_time, *_ = await pipe.execute()
-        self._clock.observe(RedisClock.from_time_reply(redis_time))
+        # Through a full Redis too (see cluster.wire.presence), as the lease renewal below.
+        self._clock.observe(await self._write_stats(stats, stats.ts_ms))
         lost = await self._queue.renew(self.worker_id, list(self._running), self._config.lease_ms)
         self._abandon(lost)
         if not self._stopping:
