@@ -82,11 +82,13 @@ class StackConflict(RuntimeError):
 
 
 @contextlib.contextmanager
-def data_dir_lock(data_dir: str) -> Iterator[Path]:
+def data_dir_lock(data_dir: str) -> Iterator[int]:
     """Hold ``data_dir`` for one stack: two embedded Redis servers writing one append-only
-    file corrupt it, and the second stack's gateway cannot bind the first one's port. The
-    lock is the kernel's (``flock``), so a stack that died holds nothing; the file keeps
-    the holder's pid for the message."""
+    file corrupt it, and the second stack's gateway cannot bind the first one's port.
+    Yields the lock file's descriptor. The lock is the kernel's (``flock``), held while any
+    process keeps that file open: the stack hands it to its Redis (which outlives a stack
+    killed with SIGKILL, and keeps writing), so the folder is free exactly when neither
+    runs. The file keeps the holder's pid for the message."""
     folder = Path(data_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
@@ -97,16 +99,17 @@ def data_dir_lock(data_dir: str) -> Iterator[Path]:
             lock_file.seek(0)
             holder = lock_file.read().strip() or "unknown"
             raise StackConflict(
-                f"another `charserve up` (pid {holder}) is using {folder}: stop it, or give "
-                "this one its own CHARSERVE_DATA_DIR and CHARSERVE_PORT"
+                f"another `charserve up` (pid {holder}), or the Redis it started, is using "
+                f"{folder}: stop it, or give this one its own CHARSERVE_DATA_DIR and "
+                "CHARSERVE_PORT"
             ) from None
         lock_file.truncate(0)
         lock_file.write(f"{os.getpid()}\n")
         lock_file.flush()
         try:
-            yield path
+            yield lock_file.fileno()
         finally:
-            lock_file.truncate(0)  # closing the file releases the lock
+            lock_file.truncate(0)  # closing the file releases this process's hold
 
 
 class LocalStack:
@@ -138,7 +141,7 @@ class LocalStack:
 
         # Refuse at once, before starting anything, what would collide with a stack
         # already running here (its data folder, its port).
-        self._held.enter_context(data_dir_lock(self.settings.data_dir))
+        lock_fd = self._held.enter_context(data_dir_lock(self.settings.data_dir))
         try:
             check_port_free(self.settings.host, self.settings.port)
         except OSError as exc:
@@ -151,6 +154,7 @@ class LocalStack:
             self._redis = RedisServer(
                 data_dir=self.settings.data_dir,
                 maxmemory_bytes=self.settings.redis_maxmemory_mb * 1024 * 1024,
+                hold_fds=(lock_fd,),
             ).start()
             redis_url = self._redis.url
             # `charserve keys` and other admin commands find the embedded Redis here.
@@ -195,7 +199,14 @@ class LocalStack:
         return self._gateway.wait()
 
     def stop(self) -> None:
-        """Stop everything this stack started, newest first."""
+        """Stop everything this stack started, newest first, then let go of the data
+        folder (whatever failed on the way)."""
+        try:
+            self._stop()
+        finally:
+            self._held.close()
+
+    def _stop(self) -> None:
         if self._gateway is not None:
             if self._gateway.poll() is None:
                 self._gateway.terminate()
@@ -219,4 +230,3 @@ class LocalStack:
             self._redis.stop()
             self._redis = None
             url_file(self.settings).unlink(missing_ok=True)
-        self._held.close()

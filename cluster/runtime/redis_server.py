@@ -80,17 +80,24 @@ class RedisServer:
         acl_user: tuple[str, str] | None = None,
         tls: TlsFiles | None = None,
         maxmemory_bytes: int = 0,
+        hold_fds: tuple[int, ...] = (),
     ) -> None:
         self.port = port or free_port()
         # 0: no bound. Otherwise the server refuses writes past it (noeviction: charserve
         # never lets Redis drop a job, a lease or a log to make room).
         self.maxmemory_bytes = maxmemory_bytes
-        self.data_dir = Path(data_dir).expanduser() if data_dir else None
+        # Absolute: Redis enters --dir before it opens its log file.
+        self.data_dir = Path(data_dir).expanduser().resolve() if data_dir else None
+        # Open files the server keeps open while it runs: a lock on its data folder (see
+        # cluster.ops.stack) is then held as long as the server writes there, even when
+        # the process that started it was killed.
+        self.hold_fds = hold_fds
         self.password = password
         self.acl_user = acl_user
         self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
+        self._log_from = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
@@ -141,38 +148,43 @@ class RedisServer:
             folder = str(self.data_dir)
             persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
         self.log_path = Path(folder) / LOG_NAME
+        # A failed start quotes only what this run logged, not an earlier run's last words.
+        self._log_from = self.log_path.stat().st_size if self.log_path.is_file() else 0
         # "-" reads config from stdin first; the command line below overrides it, so the
         # TLS lines' "port 0" must not be contradicted there.
         port = [] if self.tls is not None else ["--port", str(self.port)]
-        self._proc = subprocess.Popen(
-            [
-                find_redis_server(),
-                "-",
-                "--bind",
-                "127.0.0.1",
-                *port,
-                "--save",
-                "",
-                *persistence,
-                "--dir",
-                folder,
-                # Its own log (not a pipe nobody reads): a failed start quotes it.
-                "--logfile",
-                str(self.log_path),
-                "--protected-mode",
-                "yes",
-                "--maxmemory",
-                str(self.maxmemory_bytes),
-                "--maxmemory-policy",
-                "noeviction",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            # Its own session: a Ctrl-C in the terminal (SIGINT to the foreground group)
-            # reaches only its owner, which stops it last, after everything that uses it.
-            start_new_session=True,
-        )
+        with self.log_path.open("ab") as log_file:
+            self._proc = subprocess.Popen(
+                [
+                    find_redis_server(),
+                    "-",
+                    "--bind",
+                    "127.0.0.1",
+                    *port,
+                    "--save",
+                    "",
+                    *persistence,
+                    "--dir",
+                    folder,
+                    # Its own log (not a pipe nobody reads): a failed start quotes it.
+                    "--logfile",
+                    str(self.log_path),
+                    "--protected-mode",
+                    "yes",
+                    "--maxmemory",
+                    str(self.maxmemory_bytes),
+                    "--maxmemory-policy",
+                    "noeviction",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                # Errors before its log is open (a bad config line) go there too.
+                stderr=log_file,
+                pass_fds=self.hold_fds,
+                # Its own session: a Ctrl-C in the terminal (SIGINT to the foreground group)
+                # reaches only its owner, which stops it last, after everything that uses it.
+                start_new_session=True,
+            )
         assert self._proc.stdin is not None
         with self._proc.stdin:
             self._proc.stdin.write(self._security_config().encode())
@@ -215,10 +227,13 @@ class RedisServer:
         if self.log_path is None or not self.log_path.is_file():
             return message
         with self.log_path.open("rb") as log_file:
-            log_file.seek(max(0, self.log_path.stat().st_size - LOG_TAIL_BYTES))
+            size = self.log_path.stat().st_size
+            log_file.seek(max(self._log_from, size - LOG_TAIL_BYTES))
             tail = log_file.read().decode(errors="replace").splitlines()
-        # Redis marks warnings with "#" after the timestamp (notices "*", verbose "-").
-        said = [line.split(" # ", 1)[1] for line in tail if " # " in line]
+        # Redis marks warnings with "#" after the timestamp (notices "*", verbose "-"); what
+        # it says before its log is open (a bad config line) has no mark.
+        warnings = [line.split(" # ", 1)[1] for line in tail if " # " in line]
+        said = warnings or [line.strip() for line in tail if line.strip()]
         if said:
             message += ": " + said[-1]
         return f"{message} (its log: {self.log_path})"

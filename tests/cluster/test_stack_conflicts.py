@@ -8,11 +8,15 @@ failed with "redis-server exited with 1" and nothing more."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -32,31 +36,61 @@ def test_one_data_folder_holds_one_stack(tmp_path: Path) -> None:
         pass
 
 
-def test_a_dead_holder_holds_nothing(tmp_path: Path) -> None:
-    # A stack killed with SIGKILL never runs its cleanup: the kernel drops its lock.
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (its files are closed; its new parent may never reap it)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_the_lock_lives_as_long_as_the_stack_or_its_redis(tmp_path: Path) -> None:
+    # A stack killed with SIGKILL runs no cleanup, and its Redis (a session of its own)
+    # keeps writing the folder: the Redis holds the lock until it stops too.
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from cluster.ops.stack import data_dir_lock\n"
-            "with data_dir_lock(sys.argv[1]):\n"
-            "    print('held', flush=True); time.sleep(60)",
+            "import sys, time\n"
+            "from cluster.ops.stack import data_dir_lock\n"
+            "from cluster.runtime.redis_server import RedisServer\n"
+            "with data_dir_lock(sys.argv[1]) as fd:\n"
+            "    redis = RedisServer(data_dir=sys.argv[1], hold_fds=(fd,)).start()\n"
+            "    print('redis', redis.pid, flush=True); time.sleep(60)",
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
     )
+    redis_pid = 0
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert holder.stdout is not None
+        line = ""
+        while not line.startswith("redis "):  # after the log lines
+            line = holder.stdout.readline()
+            assert line, "the holder exited"
+        redis_pid = int(line.split()[1])
         with pytest.raises(StackConflict) as refused:
             with data_dir_lock(str(tmp_path)):
                 pass
         assert f"pid {holder.pid}" in str(refused.value)
+        holder.kill()
+        holder.wait()
+        with pytest.raises(StackConflict):  # its Redis still runs, and holds the folder
+            with data_dir_lock(str(tmp_path)):
+                pass
     finally:
         holder.kill()
         holder.wait()
-    with data_dir_lock(str(tmp_path)) as path:
-        assert path == tmp_path / LOCK_NAME
+        if redis_pid:
+            os.kill(redis_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not _exited(redis_pid):
+        assert time.monotonic() < deadline, "the killed Redis did not exit"
+        time.sleep(0.05)
+    with data_dir_lock(str(tmp_path)):  # neither runs: the folder is free
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
 
 
 def test_a_port_in_use_is_named() -> None:
