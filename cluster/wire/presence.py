@@ -10,7 +10,8 @@ Redis is full (``storage_full``); what runs keeps running.
 
 Each record replaces one of a bounded size per process (one member of the workers set, one
 stats record, one presence key), so letting it through a full Redis grows memory by a few
-hundred bytes a process at most.
+hundred bytes a live process at most: a beat also drops the members of workers silent for
+an hour.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ _BEAT = (
     + """
 if ARGV[1] ~= '' then
   redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+  -- Workers that stopped without leaving (killed, lost with their node) go after an hour:
+  -- readers only look at fresh beats, and restarts must not grow the set without bound.
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - 3600000))
 end
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
 return now

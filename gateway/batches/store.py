@@ -139,8 +139,11 @@ return out
 
 # Extend the leases of lines this process still owns. KEYS: owners, leases. ARGV: lease_ms,
 # then index, job id pairs. Returns the indexes no longer owned (taken over elsewhere).
+# Through a full Redis too, as the queue's renewals: it only moves the expiry of leases that
+# exist (ZADD XX), and a lease that expired there would hand the line to another gateway.
 _RENEW = (
-    NOW_MS_LUA
+    "#!lua flags=allow-oom\n"
+    + NOW_MS_LUA
     + """
 local until_ms = now + tonumber(ARGV[1])
 local lost = {}

@@ -238,32 +238,21 @@ async def test_unknown_fields_are_not_stored_and_queued_bytes_are_bounded(
 
 
 async def fill_up(redis: aioredis.Redis) -> None:
-    """Write junk until Redis refuses, and keeps refusing: large values, then ever smaller
-    ones, so that what is left below ``maxmemory`` is smaller than any write the gateway
-    makes. Redis's cron shrinks this client's query buffer (about 300 KB after the large
-    writes) within a tick or two, which takes the server back under its limit: so fill
-    again with small writes after each pause, until a write after a pause is refused."""
+    """Write junk until Redis refuses, then keep it full: large values, then ever smaller
+    ones, and then ``maxmemory`` lowered 1 MB below what Redis holds. Redis frees memory
+    of its own accord (its cron shrinks the filling client's query buffer, about 300 KB,
+    within a tick or two, and idle clients' buffers after 2 s), which would otherwise take
+    it back under its limit while a test expects it full."""
     n = 0
-
-    async def fill(sizes: tuple[int, ...]) -> int:
-        nonlocal n
-        written = 0
-        for size in sizes:
-            while True:
-                n += 1
-                try:
-                    await redis.set(f"junk:{n}", b"x" * size)
-                except aioredis.ResponseError:
-                    break
-                written += 1
-        return written
-
-    await fill((256 * 1024, 16 * 1024, 1024, 64))
-    for _ in range(50):
-        await asyncio.sleep(0.3)  # a few of the server's cron ticks (10 a second)
-        if await fill((1024, 64)) == 0:
-            return
-    raise AssertionError("Redis kept freeing memory: it never stayed full")
+    for size in (256 * 1024, 16 * 1024, 1024, 64):
+        while True:
+            n += 1
+            try:
+                await redis.set(f"junk:{n}", b"x" * size)
+            except aioredis.ResponseError:
+                break
+    used = (await redis.info("memory"))["used_memory"]
+    await redis.config_set("maxmemory", used - 1024 * 1024)
 
 
 async def test_a_full_redis_is_a_fast_503_and_nothing_is_half_written(
@@ -324,21 +313,27 @@ async def test_a_full_redis_lets_what_runs_run(model_path: str) -> None:
                 filled_ms = RedisClock.from_time_reply(await filler.time())
                 alive_until = filled_ms + await filler.pttl(alive)
                 beat = await filler.zscore(keys.workers, consumer.worker_id)
-                await asyncio.sleep(3.6)  # > a presence refresh, 3 beats, 3 leases
+                await asyncio.sleep(3.6)  # > 3 beats, 3 leases, workers' freshness
                 now = RedisClock.from_time_reply(await filler.time())
                 ready = await http.get("/ready")
                 refused = await http.post("/v1/chat/completions", json=body())
                 later_beat = await filler.zscore(keys.workers, consumer.worker_id)
                 [(_, lease_ends)] = await filler.zrange(keys.leases, 0, -1, withscores=True)
-                later_alive_until = now + await filler.pttl(alive)
+                # The presence is refreshed every 3.3 s and lasts 10 s: before the expiry
+                # it had when Redis filled up, a refresh must move it a refresh later.
+                checked_at, later_alive_until = now, alive_until
+                while later_alive_until <= alive_until + 1000 and now < alive_until:
+                    await asyncio.sleep(0.2)
+                    now = RedisClock.from_time_reply(await filler.time())
+                    later_alive_until = now + await filler.pttl(alive)
                 engine.release.set()
                 reply = await running
             assert ready.status_code == 200, ready.text
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "storage_full"
             assert beat is not None and later_beat is not None and later_beat > beat + 2000
-            assert lease_ends > now
-            assert later_alive_until > alive_until
+            assert lease_ends > checked_at
+            assert later_alive_until > alive_until + 1000
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == "".join(
                 f" t{i}" for i in range(6)
