@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from cluster.wire.queue import NOW_MS_LUA
+from cluster.wire.queue import ALLOW_OOM, NOW_MS_LUA
 
 # KEYS: 1 the key. ARGV: 1 its value, 2 its TTL (ms).
-_ANNOUNCE = """#!lua flags=allow-oom
+_ANNOUNCE = (
+    ALLOW_OOM
+    + """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+)
 
 # KEYS: 1 the workers set, 2 this worker's stats record. ARGV: 1 its score (the beat's time
 # in ms; empty: leave the score, only the stats changed), 2 the worker's id, 3 the encoded
 # stats, 4 their TTL (ms). Returns Redis's time in ms, for the worker's clock.
 _BEAT = (
-    "#!lua flags=allow-oom\n"
+    ALLOW_OOM
     + NOW_MS_LUA
     + """
 if ARGV[1] ~= '' then

@@ -78,6 +78,10 @@ _CLASSES = (PriorityClass.INTERACTIVE, PriorityClass.STANDARD, PriorityClass.BAT
 
 # Lease and record times come from Redis's own clock, so processes with skewed clocks
 # agree. Shared by every Lua script that needs the time (the queue's and the batch store's).
+# The first line of a script that only moves or frees what is already stored, or replaces
+# a record of bounded size: Redis runs it past its ``maxmemory`` too (see :func:`_script`).
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+
 NOW_MS_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -171,7 +175,7 @@ def _script(keys: str, body: str, *, frees: bool = False) -> str:
     whole, before it runs: nothing is half-written. Scripts that only move or free what is
     already stored (``frees``: claim, ack, renew, cancel, recovery) run anyway, so work
     already accepted finishes while new work is refused."""
-    shebang = "#!lua flags=allow-oom\n" if frees else "#!lua\n"
+    shebang = ALLOW_OOM if frees else "#!lua\n"
     return shebang + keys + _PRELUDE + body
 
 
@@ -435,7 +439,7 @@ return 1
 )
 
 _RENEW = (
-    "#!lua flags=allow-oom\n"
+    ALLOW_OOM
     + NOW_MS_LUA
     + """
 local expiry = now + tonumber(ARGV[2])

@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 
 from cluster.runtime.clock import now_ms
 from cluster.wire.keys import Keys
-from cluster.wire.queue import NOW_MS_LUA
+from cluster.wire.queue import ALLOW_OOM, NOW_MS_LUA
 from gateway.batches.objects import (
     ENDPOINT,
     WINDOW_S,
@@ -142,7 +142,7 @@ return out
 # Through a full Redis too, as the queue's renewals: it only moves the expiry of leases that
 # exist (ZADD XX), and a lease that expired there would hand the line to another gateway.
 _RENEW = (
-    "#!lua flags=allow-oom\n"
+    ALLOW_OOM
     + NOW_MS_LUA
     + """
 local until_ms = now + tonumber(ARGV[1])
@@ -177,7 +177,9 @@ return 1
 # that. Reaching a final status removes the batch from the active set (member ARGV[5]) and
 # deletes its working keys. KEYS: obj, active, input, results, leases, owners.
 # Returns 'ok', or the current status when it is not one of ARGV[1] ('' if no batch).
-_TRANSITION = """#!lua flags=allow-oom
+_TRANSITION = (
+    ALLOW_OOM
+    + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return '' end
 local allowed = false
@@ -199,6 +201,7 @@ if ARGV[2] == 'completed' or ARGV[2] == 'failed' or ARGV[2] == 'expired'
 end
 return 'ok'
 """
+)
 
 # Store a file unless it is new and the tenant's quota (count or bytes) refuses it; its
 # keys expire after ARGV[8] ms, and index entries past that are pruned first.

@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from cluster.runtime.tracing import Trace
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import ChunkEncoder, Job
+from cluster.wire.queue import ALLOW_OOM
 from cluster.wire.replylog import REPLY_FIELD, REPLY_LOG_MAXLEN, REPLY_LOG_TTL_S
 from workers.engines.base import EngineOutput
 
@@ -55,7 +56,9 @@ MAX_CHUNKS_PER_CALL = 256
 # id comes back, for this worker to drop the job. A message published to nobody whose
 # gateway's liveness key is gone comes back as its channel: nobody will read those replies.
 # Returns {chunks logged, {fenced job ids}, {channels of gone gateways}}.
-_PUBLISH = """#!lua flags=allow-oom
+_PUBLISH = (
+    ALLOW_OOM
+    + """
 local maxlen, ttl, field, me = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local log_prefix, alive_prefix, inbox_prefix = ARGV[5], ARGV[6], ARGV[7]
 local n = tonumber(ARGV[8])
@@ -119,6 +122,7 @@ for j = 1, n do
 end
 return {logged, fenced, gone}
 """
+)
 
 
 def _text(value: bytes | str) -> str:
