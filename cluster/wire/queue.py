@@ -76,12 +76,12 @@ CANCEL_RECORD_MS = 3_600_000
 # The classes, in the order of the per-class keys the scripts take.
 _CLASSES = (PriorityClass.INTERACTIVE, PriorityClass.STANDARD, PriorityClass.BATCH)
 
-# Lease and record times come from Redis's own clock, so processes with skewed clocks
-# agree. Shared by every Lua script that needs the time (the queue's and the batch store's).
 # The first line of a script that only moves or frees what is already stored, or replaces
 # a record of bounded size: Redis runs it past its ``maxmemory`` too (see :func:`_script`).
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
+# Lease and record times come from Redis's own clock, so processes with skewed clocks
+# agree. Shared by every Lua script that needs the time (the queue's and the batch store's).
 NOW_MS_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
