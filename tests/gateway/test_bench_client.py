@@ -47,7 +47,7 @@ async def test_lean_client_measures_what_httpx_measures(gateway: Gateway) -> Non
             assert sample.text == "".join(f" t{i}" for i in range(6))
             assert 0 < sample.ttft_s <= sample.e2e_s
             # A gap per event with text after the first: 5 when each token has its own
-            # event; fewer when a loaded machine lets two chunks share one event.
+            # event; fewer when, on a loaded machine, two tokens reach the client in one event.
             assert 1 <= len(sample.itl_s) <= 5
             assert sample.prompt_tokens > 0
     finally:
