@@ -31,7 +31,10 @@ own gauge, on both: charserve's gateway ``/metrics`` carries its replicas') and
 ``running_mean`` is its mean over the client's measured window: the engine's batch size at
 that offered load. Every run's JSON is kept in ``--out``; the table gives each figure's
 median over rounds and its ratio to ``vllm`` measured by the same client, then each
-round's own ratios (:func:`round_ratios`), whose spread is the machine's noise.
+round's own ratios (:func:`round_ratios`), whose spread is the machine's noise. Beside
+them each run reports the CPU steal over its window (:mod:`cluster.bench.steal`): the
+share of the cores' time the hypervisor gave elsewhere, so a run slowed by its neighbours
+is told apart from a slow server.
 
 On this machine vLLM's default ``gpu_memory_utilization`` (0.92 of the CPU's NUMA node)
 is more than is free once vLLM has loaded, and it refuses to start; ``--vllm-memory``
@@ -62,6 +65,7 @@ from typing import Any
 import httpx
 import structlog
 
+from cluster.bench.steal import CpuTimes, per_core, read_cpu_times, window_steal
 from cluster.runtime.bundled_model import resolve_model
 
 log = structlog.get_logger(__name__)
@@ -78,6 +82,8 @@ PERSONA_FIGURES = (
     "running_mean",
 )
 COUNTS = ("failed", "refused")
+# The machine's, not the server's: shown beside the figures, never as a ratio.
+STEAL = "steal_pct"
 NAN = float("nan")
 
 
@@ -414,18 +420,25 @@ def parse_running(text: str) -> tuple[float, float]:
 
 class RunningSampler:
     """Polls a ``/metrics`` page every ``poll_s`` in a thread: (monotonic time, running
-    sequences, progress marker) per poll. Small and cheap: one GET and a regex scan."""
+    sequences, progress marker) per poll. Small and cheap: one GET and a regex scan. Each
+    poll also reads the machine's CPU counters (:mod:`cluster.bench.steal`), from the
+    sampler's start to its stop, so a run's CPU steal can be told over its window."""
 
     def __init__(self, url: str, poll_s: float) -> None:
         self.url = url
         self.poll_s = poll_s
         self.samples: list[tuple[float, float, float]] = []
+        self.cpu: list[tuple[float, CpuTimes]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="running-sampler", daemon=True)
+
+    def _read_cpu(self) -> None:
+        self.cpu.append((time.monotonic(), read_cpu_times()))
 
     def _poll(self) -> None:
         with httpx.Client(timeout=5) as client:
             while not self._stop.wait(self.poll_s):
+                self._read_cpu()
                 try:
                     text = client.get(self.url).text
                 except httpx.HTTPError:
@@ -435,12 +448,14 @@ class RunningSampler:
     @contextmanager
     def running(self) -> Iterator[RunningSampler]:
         """Sample while the block runs."""
+        self._read_cpu()
         self._thread.start()
         try:
             yield self
         finally:
             self._stop.set()
             self._thread.join()
+            self._read_cpu()
 
 
 def running_mean(
@@ -540,6 +555,7 @@ def _measure_one(
         time.sleep(peer.export_s + peer.poll_s if peer.export_s else 0)
     (out / f"{path.stem}.txt").write_text(done.stdout + done.stderr)
     (out / f"{path.stem}.running.json").write_text(json.dumps(sampler.samples))
+    (out / f"{path.stem}.cpu.json").write_text(json.dumps(sampler.cpu))
     if done.returncode != 0:
         log.warning("client failed", peer=peer.name, client=client, path=str(path))
     if not path.exists():  # a client that failed may still have written its report
@@ -548,13 +564,26 @@ def _measure_one(
     # The client's measured window when it reports one, else its whole run.
     start_s, end_s = figures.pop("start_s", started_s), figures.pop("end_s", ended_s)
     mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
+    steal = window_steal(sampler.cpu, start_s, end_s)
     row: dict[str, Any] = {"round": r, "peer": peer.name, "client": client, "c": concurrency}
-    return {**row, **figures, "running_mean": mean, "running_points": points}
+    return {
+        **row,
+        **figures,
+        "running_mean": mean,
+        "running_points": points,
+        # Percent of the machine's CPU time (all cores), and of each core's, stolen.
+        STEAL: steal.get("cpu", NAN),
+        "steal_pct_cores": per_core(steal),
+    }
 
 
 def figures_of(workload: str) -> tuple[str, ...]:
     """The figures the table shows for ``workload``."""
     return PERSONA_FIGURES if workload == "persona" else FIGURES
+
+
+def _round(row: dict[str, Any]) -> int:
+    return int(row["round"])
 
 
 def _is_number(value: Any) -> bool:
@@ -598,17 +627,18 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
     for row in rows:
         groups.setdefault((row["client"], row["peer"], row["c"]), []).append(row)
     medians = {
-        key: {f: _median([r.get(f, NAN) for r in rs]) for f in (*figures, *COUNTS)}
+        key: {f: _median([r.get(f, NAN) for r in rs]) for f in (*figures, *COUNTS, STEAL)}
         for key, rs in groups.items()
     }
     lines = [
         f"{'client':<9} {'c':>3} {'peer':<10} "
         + " ".join(f"{f:>14}" for f in figures)
         + "".join(f" {f:>7}" for f in COUNTS)
-        + f" {'runs':>4}"
+        + f" {'steal%':>6} {'runs':>4}"
     ]
     summary: dict[str, Any] = {}
     spread: list[str] = []
+    stolen: list[str] = []
     for (client, peer, c), m in sorted(medians.items()):
         ref = medians.get((client, "vllm", c))
         ratios = (
@@ -621,8 +651,15 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             f"{client:<9} {c:>3} {peer:<10} "
             + " ".join(f"{cell:>14}" for cell in cells)
             + "".join(f" {m[f]:>7.0f}" if m[f] == m[f] else f" {'-':>7}" for f in COUNTS)
+            + (f" {m[STEAL]:>6.1f}" if _is_number(m[STEAL]) else f" {'-':>6}")
             + f" {len(groups[(client, peer, c)]):>4}"
         )
+        steals = [row.get(STEAL, NAN) for row in sorted(groups[(client, peer, c)], key=_round)]
+        if len(steals) > 1 and any(_is_number(v) for v in steals):
+            stolen.append(
+                f"{client:<9} {c:>3} {peer:<10} "
+                + "/".join(f"{v:.1f}" if _is_number(v) else "-" for v in steals)
+            )
         per_round = (
             round_ratios(groups[(client, peer, c)], groups[(client, "vllm", c)], figures)
             if ratios
@@ -642,6 +679,8 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             )
     if spread:
         lines += ["", "each round's own ratios to vllm, by the same client:", *spread]
+    if stolen:
+        lines += ["", "CPU steal in each round, percent of all cores' time:", *stolen]
     return "\n".join(lines), summary
 
 

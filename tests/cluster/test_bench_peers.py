@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cluster.bench.peers import (
+    RunningSampler,
     add_arguments,
     check,
     parse_running,
@@ -21,6 +23,7 @@ from cluster.bench.peers import (
     running_mean,
     table,
 )
+from cluster.bench.steal import window_steal
 
 
 def _row(
@@ -95,6 +98,28 @@ def test_running_mean_is_a_column_with_its_ratio_and_a_missing_figure_is_skipped
     assert summary["vllm/charserve/c8"]["running_mean"] == 3.5
     assert summary["vllm/charserve/c8"]["running_mean_over_vllm"] == 0.5
     assert "(0.50x)" in text
+
+
+def test_cpu_steal_is_shown_beside_the_figures_per_round_and_never_as_a_ratio() -> None:
+    rows = [
+        {**_row(1, "vllm", "vllm", 1, 80, 50), "steal_pct": 1.0},
+        {**_row(1, "charserve", "vllm", 1, 80, 50), "steal_pct": 12.5},
+        {**_row(2, "charserve", "vllm", 1, 80, 50), "steal_pct": 2.5},
+        {**_row(2, "vllm", "vllm", 1, 80, 50), "steal_pct": 3.0},
+        _row(1, "charserve", "charserve", 1, 80, 50),  # no counters (not Linux)
+    ]
+    text, summary = table(rows)
+    lines = text.splitlines()
+    assert "steal%" in lines[0].split()
+    assert summary["vllm/charserve/c1"]["steal_pct"] == 7.5  # the median of the rounds
+    assert "steal_pct_over_vllm" not in summary["vllm/charserve/c1"]
+    stolen = lines[lines.index("CPU steal in each round, percent of all cores' time:") + 1 :]
+    assert [line.split() for line in stolen] == [
+        ["vllm", "1", "charserve", "12.5/2.5"],
+        ["vllm", "1", "vllm", "1.0/3.0"],
+    ]
+    ours = next(line for line in lines[1:] if line.startswith("charserve "))
+    assert ours.split()[-2] == "-"
 
 
 def test_the_persona_table_has_ttft_of_later_turns_and_refusals() -> None:
@@ -218,3 +243,17 @@ def test_persona_options_are_checked_before_any_server_starts() -> None:
     ):
         with pytest.raises(SystemExit):
             check(parser.parse_args(["--workload", "persona", *bad]))
+
+
+def test_the_sampler_reads_the_cpu_counters_from_its_start_to_its_stop() -> None:
+    # No server answers: the gauge has no samples, the counters are still read.
+    sampler = RunningSampler("http://127.0.0.1:9/metrics", poll_s=0.05)
+    with sampler.running():
+        started_s = time.monotonic()
+        time.sleep(0.2)
+        ended_s = time.monotonic()
+    times = [t for t, _ in sampler.cpu]
+    assert sampler.samples == []
+    assert times[0] <= started_s and times[-1] >= ended_s and len(times) >= 3
+    if Path("/proc/stat").exists():
+        assert "cpu" in window_steal(sampler.cpu, started_s, ended_s)

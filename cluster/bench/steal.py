@@ -1,0 +1,79 @@
+"""CPU steal: the share of a core's time the hypervisor ran someone else instead.
+
+On a virtual machine a run can lose part of its cores to other guests, and a latency
+benchmark then reads that time as the server's own stall. Linux counts it per core in
+``/proc/stat`` (the ``steal`` column), so a benchmark reads the counters beside each run
+and reports what was taken, and a run under steal is not read as the server's cost. Where
+``/proc/stat`` is missing (not Linux) the readings are empty and the share is NaN.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+# /proc/stat's cpu columns: user nice system idle iowait irq softirq steal guest guest_nice.
+# guest and guest_nice are already counted in user and nice, so a core's time is the first 8.
+_TIME_COLUMNS = 8
+_STEAL = 7
+NAN = float("nan")
+
+# One reading: per cpu line ("cpu" for all cores, then "cpu0", "cpu1", ...), the jiffies of
+# its time and of its stolen time since boot.
+CpuTimes = dict[str, tuple[int, int]]
+
+
+def parse_cpu_times(text: str) -> CpuTimes:
+    """The ``cpu`` lines of a ``/proc/stat`` page: (time, stolen time) per line."""
+    times: CpuTimes = {}
+    for line in text.splitlines():
+        if not line.startswith("cpu"):
+            continue
+        name, *columns = line.split()
+        values = [int(v) for v in columns[:_TIME_COLUMNS]]
+        if len(values) > _STEAL:
+            times[name] = (sum(values), values[_STEAL])
+    return times
+
+
+def read_cpu_times(path: Path = PROC_STAT) -> CpuTimes:
+    """This machine's counters now, or ``{}`` where it has no ``/proc/stat``."""
+    try:
+        return parse_cpu_times(path.read_text())
+    except OSError:
+        return {}
+
+
+def steal_percent(before: CpuTimes, after: CpuTimes) -> dict[str, float]:
+    """Per cpu line in both readings, the percentage of its time stolen between them
+    (NaN for a line whose counters did not advance)."""
+    shares: dict[str, float] = {}
+    for name, (total_after, steal_after) in after.items():
+        if name not in before:
+            continue
+        total, steal = total_after - before[name][0], steal_after - before[name][1]
+        shares[name] = 100.0 * steal / total if total > 0 else NAN
+    return shares
+
+
+def window_steal(
+    readings: list[tuple[float, CpuTimes]], start_s: float, end_s: float
+) -> dict[str, float]:
+    """The steal percentages over ``[start_s, end_s]`` from readings taken in time order
+    (monotonic seconds): from the last reading at or before the start (else the first) to
+    the first at or after the end (else the last), so the span covers the window."""
+    if len(readings) < 2:
+        return {}
+    times = [t for t, _ in readings]
+    first = max(bisect.bisect_right(times, start_s) - 1, 0)
+    last = min(bisect.bisect_left(times, end_s), len(readings) - 1)
+    if last <= first:
+        return {}
+    return steal_percent(readings[first][1], readings[last][1])
+
+
+def per_core(shares: dict[str, float]) -> list[float]:
+    """The per-core values of :func:`steal_percent`, in core order (``cpu0``, ``cpu1``, ...)."""
+    cores = [(int(name[3:]), v) for name, v in shares.items() if name[3:].isdigit()]
+    return [v for _, v in sorted(cores)]

@@ -1,0 +1,78 @@
+"""CPU steal over a benchmark run's window, from /proc/stat's counters."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from cluster.bench.steal import (
+    parse_cpu_times,
+    per_core,
+    read_cpu_times,
+    steal_percent,
+    window_steal,
+)
+
+STAT = """cpu  100 0 50 800 10 0 5 35 7 0
+cpu0 60 0 30 390 5 0 3 12 7 0
+cpu1 40 0 20 410 5 0 2 23 0 0
+intr 1 2 3
+ctxt 99
+"""
+
+
+def _stat(cpu0: tuple[int, int], cpu1: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    return {
+        "cpu": (cpu0[0] + cpu1[0], cpu0[1] + cpu1[1]),
+        "cpu0": cpu0,
+        "cpu1": cpu1,
+    }
+
+
+def test_a_cores_time_is_its_first_eight_columns_and_guest_is_not_counted_twice() -> None:
+    times = parse_cpu_times(STAT)
+    assert times == {"cpu": (1000, 35), "cpu0": (500, 12), "cpu1": (500, 23)}
+
+
+def test_steal_is_the_stolen_share_of_each_lines_time_between_two_readings() -> None:
+    before = _stat((500, 12), (500, 23))
+    after = _stat((700, 22), (700, 83))
+    shares = steal_percent(before, after)
+    assert shares["cpu0"] == 5.0 and shares["cpu1"] == 30.0
+    assert shares["cpu"] == 17.5
+    assert per_core(shares) == [5.0, 30.0]
+
+
+def test_counters_that_did_not_advance_give_nan_and_a_missing_line_is_skipped() -> None:
+    before = {"cpu0": (500, 12)}
+    after = {"cpu0": (500, 12), "cpu1": (900, 40)}
+    shares = steal_percent(before, after)
+    assert set(shares) == {"cpu0"} and math.isnan(shares["cpu0"])
+
+
+def test_cores_are_in_numeric_order_past_ten() -> None:
+    shares = {"cpu": 1.0, **{f"cpu{i}": float(i) for i in range(12)}}
+    assert per_core(shares) == [float(i) for i in range(12)]
+
+
+def test_the_window_spans_the_readings_around_it() -> None:
+    readings = [
+        (0.0, _stat((0, 0), (0, 0))),
+        (1.0, _stat((100, 50), (100, 50))),  # before the window: a stolen second
+        (2.0, _stat((200, 50), (200, 50))),
+        (3.0, _stat((300, 60), (300, 70))),
+        (4.0, _stat((400, 60), (400, 70))),
+        (5.0, _stat((500, 160), (500, 170))),  # after the window
+    ]
+    shares = window_steal(readings, 1.5, 3.5)
+    # From the reading at 1.0 to the one at 4.0: 300 jiffies a core, 10 and 20 stolen.
+    assert shares["cpu0"] == 100 * 10 / 300 and shares["cpu1"] == 100 * 20 / 300
+    # A window past the readings uses the last; one before them, the first.
+    assert window_steal(readings, 4.5, 9.0)["cpu0"] == 100.0
+    assert window_steal(readings, -1.0, 0.5)["cpu0"] == 50.0
+    assert window_steal(readings[:1], 0.0, 1.0) == {}
+
+
+def test_a_machine_without_proc_stat_reads_nothing(tmp_path: Path) -> None:
+    assert read_cpu_times(tmp_path / "missing") == {}
+    assert window_steal([(0.0, {}), (1.0, {})], 0.0, 1.0) == {}
