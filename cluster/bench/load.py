@@ -8,8 +8,11 @@ server in the same run, alternating rounds (A, B, A, B, ...) so both see the sam
 conditions, and prints the ratios of the first URL's figures over the second's.
 
 Requests ask for exactly ``--max-tokens`` tokens (``ignore_eos``), so both servers do the
-same work. ``--extra-body JSON`` adds fields to every request's body (e.g. the roleplay
-samplers' ``{"dry_multiplier": 0.8}``, to measure what they cost).
+same work. Each target's report carries the CPU steal over its rounds (``cpu_steal_pct``:
+the share of the machine's CPU time the hypervisor gave elsewhere, which the latencies
+would otherwise show as the server's stalls). ``--extra-body JSON`` adds fields to every
+request's body (e.g. the roleplay samplers' ``{"dry_multiplier": 0.8}``, to measure what
+they cost).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import httpx
 
 from cluster.bench.samples import Sample, StreamTimer, percentile
+from cluster.bench.steal import StealTotals, per_core, read_cpu_times
 from cluster.runtime import gc_policy as heap
 
 SYSTEM_PROMPT = (
@@ -285,12 +289,15 @@ def summarize(
     slo_ttft_ms: float = 1000.0,
     slo_tpot_ms: float = 100.0,
     client_cpu_s: float | None = None,
+    steal: StealTotals | None = None,
 ) -> dict[str, Any]:
     """Percentiles (ms), throughput, goodput and error count for a set of samples.
 
     Goodput counts only requests that met both SLOs (TTFT and TPOT), per second. With
     ``client_cpu_s`` (the load generator's CPU time over the rounds) also its CPU per
-    received ``data:`` event and per output token (µs).
+    received ``data:`` event and per output token (µs). With ``steal`` (the machine's CPU
+    counters over the rounds) also the percentage of CPU time the hypervisor took, of all
+    cores and of each (:mod:`cluster.bench.steal`; absent where there are no counters).
     """
     ok = [s for s in samples if s.ok]
     itl = [x for s in ok for x in s.itl_s]
@@ -315,6 +322,10 @@ def summarize(
         out["client_cpu_us_per_token"] = (
             round(client_cpu_s * 1e6 / out["output_tokens"], 2) if out["output_tokens"] else 0.0
         )
+    stolen = steal.percent() if steal is not None else {}
+    if "cpu" in stolen:
+        out["cpu_steal_pct"] = round(stolen["cpu"], 2)
+        out["cpu_steal_pct_cores"] = [round(v, 2) for v in per_core(stolen)]
     errors = [s.error for s in samples if not s.ok]
     if errors:
         out["first_error"] = errors[0]
@@ -343,9 +354,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
     collected: dict[str, tuple[list[Sample], float]] = {u: ([], 0.0) for u in targets}
     client_cpu_s = dict.fromkeys(targets, 0.0)
+    steal = {u: StealTotals() for u in targets}
     measured_from_s = time.perf_counter()  # the system's monotonic clock, as vLLM's client
     for r in range(args.rounds):
         for url in targets:
+            counters = read_cpu_times()
             samples, wall, cpu = await run_round_procs(
                 args.procs,
                 url=url,
@@ -363,6 +376,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             before, total = collected[url]
             collected[url] = (before + samples, total + wall)
             client_cpu_s[url] += cpu
+            steal[url].add(counters, read_cpu_times())
     result: dict[str, Any] = {
         "workload": {
             "concurrency": args.concurrency,
@@ -381,7 +395,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         # as ``charserve bench-peers``'s sampling of the server's running sequences.
         "window": {"start_s": measured_from_s, "end_s": time.perf_counter()},
         "targets": {
-            u: summarize(*collected[u], args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_s[u])
+            u: summarize(
+                *collected[u], args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_s[u], steal[u]
+            )
             for u in targets
         },
     }
@@ -501,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
         "goodput_requests_per_s",
         "client_cpu_us_per_event",
         "client_cpu_us_per_token",
+        "cpu_steal_pct",
         "errors",
     ]
     urls = list(result["targets"])

@@ -10,6 +10,7 @@ and reports what was taken, and a run under steal is not read as the server's co
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
@@ -45,16 +46,38 @@ def read_cpu_times(path: Path = PROC_STAT) -> CpuTimes:
         return {}
 
 
+@dataclass(slots=True)
+class StealTotals:
+    """Time and stolen time per cpu line, summed over spans (say, the rounds one target
+    of ``charserve bench`` ran, between which another target ran)."""
+
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def add(self, before: CpuTimes, after: CpuTimes) -> None:
+        """Add the span between two readings, for the lines in both."""
+        for name, (total_after, steal_after) in after.items():
+            if name in before:
+                total, steal = self.spans.get(name, (0, 0))
+                self.spans[name] = (
+                    total + total_after - before[name][0],
+                    steal + steal_after - before[name][1],
+                )
+
+    def percent(self) -> dict[str, float]:
+        """Per line, the percentage of its time stolen over the spans (NaN for a line
+        whose counters did not advance)."""
+        return {
+            name: 100.0 * steal / total if total > 0 else NAN
+            for name, (total, steal) in self.spans.items()
+        }
+
+
 def steal_percent(before: CpuTimes, after: CpuTimes) -> dict[str, float]:
     """Per cpu line in both readings, the percentage of its time stolen between them
     (NaN for a line whose counters did not advance)."""
-    shares: dict[str, float] = {}
-    for name, (total_after, steal_after) in after.items():
-        if name not in before:
-            continue
-        total, steal = total_after - before[name][0], steal_after - before[name][1]
-        shares[name] = 100.0 * steal / total if total > 0 else NAN
-    return shares
+    totals = StealTotals()
+    totals.add(before, after)
+    return totals.percent()
 
 
 def window_steal(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from cluster.bench.load import summarize
 from cluster.bench.steal import (
+    StealTotals,
     parse_cpu_times,
     per_core,
     read_cpu_times,
@@ -76,3 +78,21 @@ def test_the_window_spans_the_readings_around_it() -> None:
 def test_a_machine_without_proc_stat_reads_nothing(tmp_path: Path) -> None:
     assert read_cpu_times(tmp_path / "missing") == {}
     assert window_steal([(0.0, {}), (1.0, {})], 0.0, 1.0) == {}
+
+
+def test_spans_of_one_target_sum_their_time_before_the_share_is_taken() -> None:
+    totals = StealTotals()
+    totals.add(_stat((0, 0), (0, 0)), _stat((100, 10), (100, 0)))
+    # Another target's round ran between these readings: not counted here.
+    totals.add(_stat((500, 90), (500, 90)), _stat((800, 90), (800, 90)))
+    shares = totals.percent()
+    assert shares["cpu0"] == 2.5 and shares["cpu1"] == 0.0 and shares["cpu"] == 1.25
+
+
+def test_charserve_bench_reports_the_steal_over_its_rounds_and_not_without_counters() -> None:
+    totals = StealTotals()
+    totals.add(_stat((0, 0), (0, 0)), _stat((400, 4), (400, 40)))
+    report = summarize([], 1.0, steal=totals)
+    assert report["cpu_steal_pct"] == 5.5 and report["cpu_steal_pct_cores"] == [1.0, 10.0]
+    assert "cpu_steal_pct" not in summarize([], 1.0, steal=StealTotals())
+    assert "cpu_steal_pct" not in summarize([], 1.0)
