@@ -81,6 +81,7 @@ PERSONA_FIGURES = (
     "tok_s",
     "running_mean",
 )
+# Totals over the rounds, not medians: a median of refusals hides the round that had them.
 COUNTS = ("failed", "refused")
 # The machine's, not the server's: shown beside the figures, never as a ratio.
 STEAL = "steal_pct"
@@ -252,6 +253,7 @@ def _our_client(
         "--requests", str(requests),
         "--rounds", "1", "--warmup", "4",
         "--max-tokens", str(args.output_len),
+        "--client", args.our_client or "lean",
         "--output", str(out),
     ]  # fmt: skip
 
@@ -597,6 +599,12 @@ def _median(values: list[float]) -> float:
     return statistics.median(numbers) if numbers else NAN
 
 
+def _total(values: list[float]) -> float:
+    """The sum of the values that are numbers (NaN when no run reported the count)."""
+    numbers = [v for v in values if _is_number(v)]
+    return sum(numbers) if numbers else NAN
+
+
 def _ratio(value: Any, ref: Any) -> float | None:
     """``value / ref`` when both are figures a run took and ``ref`` is not zero."""
     return value / ref if _is_number(value) and _is_number(ref) and ref else None
@@ -621,13 +629,17 @@ def round_ratios(
 
 def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict[str, Any]]:
     """Medians over rounds, and each figure's ratio to ``vllm`` by the same client; with
-    more than one round, each round's own ratios too."""
+    more than one round, each round's own ratios too. Failed and refused requests are
+    totals over the rounds."""
     figures = figures_of(workload)
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["client"], row["peer"], row["c"]), []).append(row)
     medians = {
-        key: {f: _median([r.get(f, NAN) for r in rs]) for f in (*figures, *COUNTS, STEAL)}
+        key: {
+            **{f: _median([r.get(f, NAN) for r in rs]) for f in (*figures, STEAL)},
+            **{f: _total([r.get(f, NAN) for r in rs]) for f in COUNTS},
+        }
         for key, rs in groups.items()
     }
     lines = [
@@ -695,6 +707,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", nargs="+", default=["vllm", "charserve"],
                         choices=["vllm", "charserve", "guidellm"])  # fmt: skip
     parser.add_argument(
+        "--our-client",
+        choices=["lean", "httpx"],
+        default=None,
+        help="chat workload: charserve bench's HTTP client (default lean, which takes about "
+        "a tenth of httpx's CPU per token: CPU the servers measured share on a small machine)",
+    )
+    parser.add_argument(
         "--guidellm",
         default="guidellm",
         help="GuideLLM's command, for --clients guidellm (install it in a venv of its own: "
@@ -741,6 +760,8 @@ def check(args: argparse.Namespace) -> None:
         return
     if "guidellm" in args.clients:
         raise SystemExit("--workload persona runs with --clients vllm charserve")
+    if args.our_client:
+        raise SystemExit("--our-client is for --workload chat (persona runs conversations)")
     for c, n in zip(args.concurrency, args.prompts, strict=True):
         if n % c or n % args.personas or n < 2 * c:
             raise SystemExit(

@@ -14,9 +14,11 @@ import pytest
 
 from cluster.bench.peers import (
     RunningSampler,
+    _our_client,
     add_arguments,
     check,
     parse_running,
+    peers,
     prefix_order,
     read_vllm,
     round_order,
@@ -120,6 +122,22 @@ def test_cpu_steal_is_shown_beside_the_figures_per_round_and_never_as_a_ratio() 
     ]
     ours = next(line for line in lines[1:] if line.startswith("charserve "))
     assert ours.split()[-2] == "-"
+
+
+def test_refusals_and_failures_are_totals_over_the_rounds_not_medians() -> None:
+    rows = [
+        {**_row(1, "charserve", "vllm", 32, 200, 900), "refused": 0},
+        {**_row(2, "charserve", "vllm", 32, 150, 900), "refused": 68, "failed": 68},
+        {**_row(3, "charserve", "vllm", 32, 210, 900), "refused": 0},
+        {**_row(1, "vllm", "vllm", 32, 200, 900)},  # vLLM's client omits a zero count
+    ]
+    text, summary = table(rows)
+    assert summary["vllm/charserve/c32"]["refused"] == 68
+    ours = next(line for line in text.splitlines() if line.startswith("vllm       32 charserve"))
+    assert ours.split()[-4:-2] == ["68", "68"]
+    assert summary["vllm/charserve/c32"]["failed"] == 68
+    assert math.isnan(summary["vllm/vllm/c32"]["refused"])
+    assert summary["vllm/vllm/c32"]["failed"] == 0
 
 
 def test_the_persona_table_has_ttft_of_later_turns_and_refusals() -> None:
@@ -240,6 +258,7 @@ def test_persona_options_are_checked_before_any_server_starts() -> None:
         ["--concurrency", "8", "--prompts", "8"],  # one turn: no later turns
         ["--concurrency", "4", "--prompts", "12", "--personas", "8"],  # vLLM's prefixes
         ["--clients", "vllm", "guidellm"],
+        ["--our-client", "httpx"],  # conversations have one client
     ):
         with pytest.raises(SystemExit):
             check(parser.parse_args(["--workload", "persona", *bad]))
@@ -257,3 +276,16 @@ def test_the_sampler_reads_the_cpu_counters_from_its_start_to_its_stop() -> None
     assert times[0] <= started_s and times[-1] >= ended_s and len(times) >= 3
     if Path("/proc/stat").exists():
         assert "cpu" in window_steal(sampler.cpu, started_s, ended_s)
+
+
+def test_our_client_is_the_lean_one_unless_asked_for_httpx(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    peer = peers(parser.parse_args([]), "/model")["charserve"]
+
+    def client_of(argv: list[str]) -> str:
+        cmd = _our_client(peer, 32, 128, parser.parse_args(argv), tmp_path / "r.json")
+        return cmd[cmd.index("--client") + 1]
+
+    assert client_of([]) == "lean"
+    assert client_of(["--our-client", "httpx"]) == "httpx"
