@@ -85,6 +85,9 @@ PERSONA_FIGURES = (
 COUNTS = ("failed", "refused")
 # The machine's, not the server's: shown beside the figures, never as a ratio.
 STEAL = "steal_pct"
+# The CPU counters are read this often whatever a peer's page poll: steal comes and goes
+# within a second, and reading them costs microseconds.
+CPU_READ_S = 0.5
 NAN = float("nan")
 
 
@@ -422,9 +425,10 @@ def parse_running(text: str) -> tuple[float, float]:
 
 class RunningSampler:
     """Polls a ``/metrics`` page every ``poll_s`` in a thread: (monotonic time, running
-    sequences, progress marker) per poll. Small and cheap: one GET and a regex scan. Each
-    poll also reads the machine's CPU counters (:mod:`cluster.bench.steal`), from the
-    sampler's start to its stop, so a run's CPU steal can be told over its window."""
+    sequences, progress marker) per poll. Small and cheap: one GET and a regex scan. It
+    also reads the machine's CPU counters (:mod:`cluster.bench.steal`) every
+    :data:`CPU_READ_S` (or ``poll_s`` if shorter), from its start to its stop, so a run's
+    CPU steal can be told over its window, in windows of one length for every peer."""
 
     def __init__(self, url: str, poll_s: float) -> None:
         self.url = url
@@ -438,9 +442,16 @@ class RunningSampler:
         self.cpu.append((time.monotonic(), read_cpu_times()))
 
     def _poll(self) -> None:
+        # The counters on their own cadence, the page every `every` reads of them.
+        step = min(self.poll_s, CPU_READ_S)
+        every = max(1, round(self.poll_s / step))
         with httpx.Client(timeout=5) as client:
-            while not self._stop.wait(self.poll_s):
+            for tick in itertools.count(1):
+                if self._stop.wait(step):
+                    break
                 self._read_cpu()
+                if tick % every:
+                    continue
                 try:
                     text = client.get(self.url).text
                 except httpx.HTTPError:

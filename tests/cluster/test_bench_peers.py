@@ -289,3 +289,13 @@ def test_our_client_is_the_lean_one_unless_asked_for_httpx(tmp_path: Path) -> No
 
     assert client_of([]) == "lean"
     assert client_of(["--our-client", "httpx"]) == "httpx"
+
+
+def test_the_counters_are_read_every_half_second_when_the_page_is_polled_less_often() -> None:
+    sampler = RunningSampler("http://127.0.0.1:9/metrics", poll_s=2.0)
+    with sampler.running():
+        time.sleep(1.3)
+    # Its start, two reads in between, its stop; the page would be polled first at 2 s.
+    assert len(sampler.cpu) >= 4
+    gaps = [b - a for (a, _), (b, _) in zip(sampler.cpu, sampler.cpu[1:-1], strict=False)]
+    assert all(gap < 1.0 for gap in gaps)
