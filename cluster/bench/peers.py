@@ -47,6 +47,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -427,7 +428,7 @@ class RunningSampler:
     """Polls a ``/metrics`` page every ``poll_s`` in a thread: (monotonic time, running
     sequences, progress marker) per poll. Small and cheap: one GET and a regex scan. It
     also reads the machine's CPU counters (:mod:`cluster.bench.steal`) every
-    :data:`CPU_READ_S` (or ``poll_s`` if shorter), from its start to its stop, so a run's
+    :data:`CPU_READ_S` at most, from its start to its stop, so a run's
     CPU steal can be told over its window, in windows of one length for every peer."""
 
     def __init__(self, url: str, poll_s: float) -> None:
@@ -442,9 +443,10 @@ class RunningSampler:
         self.cpu.append((time.monotonic(), read_cpu_times()))
 
     def _poll(self) -> None:
-        # The counters on their own cadence, the page every `every` reads of them.
-        step = min(self.poll_s, CPU_READ_S)
-        every = max(1, round(self.poll_s / step))
+        # The counters at least every CPU_READ_S, the page on every `every`-th of those
+        # reads: exactly every poll_s, whatever poll_s is.
+        every = max(1, math.ceil(self.poll_s / CPU_READ_S))
+        step = self.poll_s / every
         with httpx.Client(timeout=5) as client:
             for tick in itertools.count(1):
                 if self._stop.wait(step):
@@ -595,10 +597,6 @@ def figures_of(workload: str) -> tuple[str, ...]:
     return PERSONA_FIGURES if workload == "persona" else FIGURES
 
 
-def _round(row: dict[str, Any]) -> int:
-    return int(row["round"])
-
-
 def _is_number(value: Any) -> bool:
     """A figure a run took (not missing, not NaN)."""
     return isinstance(value, int | float) and value == value
@@ -677,7 +675,8 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             + (f" {m[STEAL]:>6.1f}" if _is_number(m[STEAL]) else f" {'-':>6}")
             + f" {len(groups[(client, peer, c)]):>4}"
         )
-        steals = [row.get(STEAL, NAN) for row in sorted(groups[(client, peer, c)], key=_round)]
+        in_order = sorted(groups[(client, peer, c)], key=lambda row: row["round"])
+        steals = [row.get(STEAL, NAN) for row in in_order]
         if len(steals) > 1 and any(_is_number(v) for v in steals):
             stolen.append(
                 f"{client:<9} {c:>3} {peer:<10} "

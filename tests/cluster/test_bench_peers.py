@@ -4,8 +4,10 @@ the running-sequences sampling, and reading vLLM's client on the persona workloa
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -299,3 +301,30 @@ def test_the_counters_are_read_every_half_second_when_the_page_is_polled_less_of
     assert len(sampler.cpu) >= 4
     gaps = [b - a for (a, _), (b, _) in zip(sampler.cpu, sampler.cpu[1:-1], strict=False)]
     assert all(gap < 1.0 for gap in gaps)
+
+
+def test_the_page_is_never_polled_more_often_than_poll_s() -> None:
+    gets: list[float] = []
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            gets.append(time.monotonic())
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # 0.7 s is not a multiple of the counters' 0.5 s: reads every 0.35 s, page every 0.7.
+        sampler = RunningSampler(f"http://127.0.0.1:{server.server_port}/metrics", poll_s=0.7)
+        with sampler.running():
+            time.sleep(1.6)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 1 <= len(gets) <= 2
+    assert len(sampler.cpu) >= len(gets) + 2
