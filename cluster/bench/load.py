@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from cluster.bench.samples import Sample, StreamTimer, percentile
+from cluster.bench.samples import Sample, StreamTimer, detailed, percentile
 from cluster.bench.steal import StealTotals, per_core, read_cpu_times
 from cluster.runtime import gc_policy as heap
 
@@ -401,6 +401,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for u in targets
         },
     }
+    if args.save_detailed:
+        for u in targets:
+            result["targets"][u]["detailed"] = detailed(collected[u][0])
     if args.plot:
         plot(collected, args.plot)
     if args.compare:
@@ -447,6 +450,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("httpx", "lean"),
         default="httpx",
         help="lean: a raw asyncio HTTP/1.1 SSE client (same measurements, far less CPU)",
+    )
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also write every request's start, TTFT and gaps into --output (as vLLM's "
+        "benchmark client's option of that name)",
     )
     parser.add_argument(
         "--procs", type=int, default=1, help="spread the load over this many client processes"

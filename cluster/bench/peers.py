@@ -66,7 +66,14 @@ from typing import Any
 import httpx
 import structlog
 
-from cluster.bench.steal import CpuTimes, per_core, read_cpu_times, window_steal
+from cluster.bench.samples import percentile
+from cluster.bench.steal import (
+    CpuTimes,
+    gaps_in_clean_windows,
+    per_core,
+    read_cpu_times,
+    window_steal,
+)
 from cluster.runtime.bundled_model import resolve_model
 
 log = structlog.get_logger(__name__)
@@ -89,6 +96,14 @@ STEAL = "steal_pct"
 # The CPU counters are read this often whatever a peer's page poll: steal comes and goes
 # within a second, and reading them costs microseconds.
 CPU_READ_S = 0.5
+# Inter-token gaps that ended in a window of the CPU counters in which no core had this
+# share of its time stolen or more are "clean": their tail is the servers' own.
+CLEAN_BELOW_PCT = 2.0
+# A round's clean ITL figures need this many clean gaps (its p99 then rests on the five
+# largest, not on one); with fewer, the round has none.
+MIN_CLEAN_GAPS = 500
+CLEAN_FIGURES = ("itl_p50_clean", "itl_p99_clean")
+CLEAN_SHARE = "clean_gaps_pct"
 NAN = float("nan")
 
 
@@ -258,6 +273,8 @@ def _our_client(
         "--rounds", "1", "--warmup", "4",
         "--max-tokens", str(args.output_len),
         "--client", args.our_client or "lean",
+        # Every gap's time, to place it in the CPU counters' windows (clean_itl).
+        "--save-detailed",
         "--output", str(out),
     ]  # fmt: skip
 
@@ -395,6 +412,36 @@ def read_conversations(path: Path) -> dict[str, float]:
 def _window(report: dict[str, Any]) -> dict[str, float]:
     w = report.get("window")
     return {"start_s": w["start_s"], "end_s": w["end_s"]} if w else {}
+
+
+def read_detailed(client: str, workload: str, path: Path) -> dict[str, list[Any]] | None:
+    """The per-request record (start, TTFT, gaps, error) in a client's result file: vLLM's
+    client's ``--save-detailed`` fields, or ``charserve bench``'s of the same name; None
+    for a client that keeps none (GuideLLM as run here, our conversations)."""
+    d = json.loads(path.read_text())
+    if client == "charserve" and workload == "chat":
+        d = next(iter(d["targets"].values())).get("detailed") or {}
+    elif client != "vllm":
+        return None
+    keys = ("start_times", "ttfts", "itls", "errors")
+    return {k: d[k] for k in keys} if all(d.get(k) is not None for k in keys) else None
+
+
+def clean_itl(
+    readings: list[tuple[float, CpuTimes]], detailed: dict[str, list[Any]] | None
+) -> dict[str, float]:
+    """ITL p50 and p99 (ms) over the gaps that ended in windows with no core stolen from
+    (:data:`CLEAN_BELOW_PCT`), NaN with fewer than :data:`MIN_CLEAN_GAPS` of them; and the
+    percentage of the run's gaps that were clean."""
+    if detailed is None:
+        return {}
+    clean, placed = gaps_in_clean_windows(readings, detailed, CLEAN_BELOW_PCT)
+    enough = len(clean) >= MIN_CLEAN_GAPS
+    return {
+        "itl_p50_clean": percentile(clean, 50) * 1e3 if enough else NAN,
+        "itl_p99_clean": percentile(clean, 99) * 1e3 if enough else NAN,
+        CLEAN_SHARE: 100.0 * len(clean) / placed if placed else NAN,
+    }
 
 
 READERS = {"vllm": read_vllm, "charserve": read_ours, "guidellm": read_guidellm}
@@ -576,6 +623,7 @@ def _measure_one(
     if not path.exists():  # a client that failed may still have written its report
         return None
     figures = reader(client, args.workload)(path)
+    clean = clean_itl(sampler.cpu, read_detailed(client, args.workload, path))
     # The client's measured window when it reports one, else its whole run.
     start_s, end_s = figures.pop("start_s", started_s), figures.pop("end_s", ended_s)
     mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
@@ -589,6 +637,7 @@ def _measure_one(
         # Percent of the machine's CPU time (all cores), and of each core's, stolen.
         STEAL: steal.get("cpu", NAN),
         "steal_pct_cores": per_core(steal),
+        **clean,
     }
 
 
@@ -646,7 +695,10 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         groups.setdefault((row["client"], row["peer"], row["c"]), []).append(row)
     medians = {
         key: {
-            **{f: _median([r.get(f, NAN) for r in rs]) for f in (*figures, STEAL)},
+            **{
+                f: _median([r.get(f, NAN) for r in rs])
+                for f in (*figures, STEAL, *CLEAN_FIGURES, CLEAN_SHARE)
+            },
             **{f: _total([r.get(f, NAN) for r in rs]) for f in COUNTS},
         }
         for key, rs in groups.items()
@@ -660,10 +712,11 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
     summary: dict[str, Any] = {}
     spread: list[str] = []
     stolen: list[str] = []
+    clean: list[str] = []
     for (client, peer, c), m in sorted(medians.items()):
         ref = medians.get((client, "vllm", c))
         ratios = (
-            {f: x for f in figures if (x := _ratio(m[f], ref[f])) is not None}
+            {f: x for f in (*figures, *CLEAN_FIGURES) if (x := _ratio(m[f], ref[f])) is not None}
             if ref and peer != "vllm"
             else {}
         )
@@ -675,6 +728,16 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             + (f" {m[STEAL]:>6.1f}" if _is_number(m[STEAL]) else f" {'-':>6}")
             + f" {len(groups[(client, peer, c)]):>4}"
         )
+        with_clean = sum(_is_number(r.get(CLEAN_FIGURES[-1])) for r in groups[(client, peer, c)])
+        if with_clean:
+            clean.append(
+                f"{client:<9} {c:>3} {peer:<10} "
+                + " ".join(
+                    f"{m[f]:>7.1f}" + (f" ({ratios[f]:.2f}x)" if f in ratios else "")
+                    for f in CLEAN_FIGURES
+                )
+                + f"  {m[CLEAN_SHARE]:.0f}% of gaps clean, {with_clean} rounds"
+            )
         in_order = sorted(groups[(client, peer, c)], key=lambda row: row["round"])
         steals = [row.get(STEAL, NAN) for row in in_order]
         if len(steals) > 1 and any(_is_number(v) for v in steals):
@@ -703,6 +766,13 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         lines += ["", "each round's own ratios to vllm, by the same client:", *spread]
     if stolen:
         lines += ["", "CPU steal in each round, percent of all cores' time:", *stolen]
+    if clean:
+        lines += [
+            "",
+            f"ITL p50, p99 (ms) of the gaps that ended while no core had {CLEAN_BELOW_PCT:g}%"
+            f" of its time stolen (median over the rounds with {MIN_CLEAN_GAPS}+ such gaps):",
+            *clean,
+        ]
     return "\n".join(lines), summary
 
 

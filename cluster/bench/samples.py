@@ -26,6 +26,7 @@ class Sample:
     text: str = ""
     events: int = 0  # decoded ``data:`` events, content or not ([DONE] excluded)
     status: int = 0  # the HTTP status (0: no response)
+    start_s: float = 0.0  # when it was sent: ``time.perf_counter``, the system's monotonic clock
 
     @property
     def tpot_s(self) -> float:
@@ -42,7 +43,7 @@ class StreamTimer:
     __slots__ = ("last", "parts", "sample", "start")
 
     def __init__(self, start: float) -> None:
-        self.sample = Sample(ok=False)
+        self.sample = Sample(ok=False, start_s=start)
         self.start = start
         self.last = start
         self.parts: list[str] = []
@@ -81,6 +82,19 @@ class StreamTimer:
             if not sample.ok:
                 sample.error = "no content"
         return sample
+
+
+def detailed(samples: list[Sample]) -> dict[str, list[Any]]:
+    """Every request's start, TTFT and gaps (seconds) and error, in the shape of vLLM's
+    benchmark client's ``--save-detailed`` fields, so each gap can be placed in time
+    (say, in a window of the machine's CPU counters) by whatever reads either client's
+    file; a failed request has an error and no times."""
+    return {
+        "start_times": [s.start_s for s in samples],
+        "ttfts": [s.ttft_s if s.ok else 0.0 for s in samples],
+        "itls": [s.itl_s if s.ok else [] for s in samples],
+        "errors": ["" if s.ok else s.error or "failed" for s in samples],
+    }
 
 
 def percentile(values: list[float], q: float) -> float:

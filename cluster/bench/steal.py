@@ -10,8 +10,10 @@ and reports what was taken, and a run under steal is not read as the server's co
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROC_STAT = Path("/proc/stat")
 # /proc/stat's cpu columns: user nice system idle iowait irq softirq steal guest guest_nice.
@@ -100,3 +102,47 @@ def per_core(shares: dict[str, float]) -> list[float]:
     """The per-core values of :func:`steal_percent`, in core order (``cpu0``, ``cpu1``, ...)."""
     cores = [(int(name[3:]), v) for name, v in shares.items() if name[3:].isdigit()]
     return [v for _, v in sorted(cores)]
+
+
+def window_peaks(readings: list[tuple[float, CpuTimes]]) -> list[float]:
+    """Between each two consecutive readings, the highest steal percentage of any one core
+    (of all cores where the readings have no per-core lines; NaN where nothing advanced):
+    a window is clean only if no core the server runs on was taken from."""
+    peaks = []
+    for (_, before), (_, after) in itertools.pairwise(readings):
+        shares = steal_percent(before, after)
+        cores = per_core(shares) or [shares.get("cpu", NAN)]
+        peaks.append(max(cores) if all(v == v for v in cores) else NAN)
+    return peaks
+
+
+def gaps_in_clean_windows(
+    readings: list[tuple[float, CpuTimes]],
+    detailed: dict[str, list[Any]],
+    below_pct: float,
+) -> tuple[list[float], int]:
+    """The inter-token gaps (s) of a client's per-request record (vLLM's client's
+    ``--save-detailed`` fields: ``start_times``, ``ttfts``, ``itls``, ``errors``; times on
+    the readings' monotonic clock) that ended between two consecutive readings in which no
+    core had ``below_pct`` percent or more of its time stolen; and how many gaps ended
+    between readings at all. The tail of the clean gaps is the servers' own, with the
+    hypervisor's stalls left out."""
+    times = [t for t, _ in readings]
+    peaks = window_peaks(readings)
+    clean: list[float] = []
+    placed = 0
+    for start, ttft, itls, error in zip(
+        detailed["start_times"], detailed["ttfts"], detailed["itls"], detailed["errors"],
+        strict=True,
+    ):  # fmt: skip
+        if error:
+            continue
+        end = start + ttft
+        for gap in itls:
+            end += gap
+            i = bisect.bisect_right(times, end) - 1
+            if 0 <= i < len(peaks):
+                placed += 1
+                if peaks[i] < below_pct:
+                    clean.append(gap)
+    return clean, placed

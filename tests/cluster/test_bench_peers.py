@@ -15,13 +15,16 @@ from typing import Any
 import pytest
 
 from cluster.bench.peers import (
+    MIN_CLEAN_GAPS,
     RunningSampler,
     _our_client,
     add_arguments,
     check,
+    clean_itl,
     parse_running,
     peers,
     prefix_order,
+    read_detailed,
     read_vllm,
     round_order,
     running_mean,
@@ -328,3 +331,65 @@ def test_the_page_is_never_polled_more_often_than_poll_s() -> None:
         server.server_close()
     assert 1 <= len(gets) <= 2
     assert len(sampler.cpu) >= len(gets) + 2
+
+
+def test_the_clean_itl_is_a_section_with_ratios_and_rounds_without_enough_gaps_left_out() -> None:
+    def clean(row: dict[str, Any], p50: float, p99: float, share: float) -> dict[str, Any]:
+        return {**row, "itl_p50_clean": p50, "itl_p99_clean": p99, "clean_gaps_pct": share}
+
+    rows = [
+        clean(_row(1, "vllm", "vllm", 32, 300, 100), 40.0, 200.0, 80.0),
+        clean(_row(2, "vllm", "vllm", 32, 300, 100), 42.0, 220.0, 60.0),
+        clean(_row(1, "charserve", "vllm", 32, 300, 100), 41.0, 231.0, 50.0),
+        # Too few clean gaps for figures: only its share counts.
+        clean(_row(2, "charserve", "vllm", 32, 300, 100), math.nan, math.nan, 4.0),
+        _row(1, "charserve", "charserve", 32, 300, 100),  # a client that keeps no gaps
+    ]
+    text, summary = table(rows)
+    ours = summary["vllm/charserve/c32"]
+    assert ours["itl_p99_clean"] == 231.0 and ours["itl_p99_clean_over_vllm"] == 1.1
+    assert ours["clean_gaps_pct"] == 27.0
+    assert "itl_p99_clean_over_vllm" not in summary["vllm/vllm/c32"]
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("ITL p50, p99 (ms)"))
+    assert [line.split()[:3] for line in lines[head + 1 :]] == [
+        ["vllm", "32", "charserve"],
+        ["vllm", "32", "vllm"],
+    ]
+    assert "(1.10x)" in lines[head + 1] and lines[head + 1].endswith("1 rounds")
+    # The main table's columns are unchanged.
+    assert "itl_p99_clean" not in lines[0]
+
+
+def test_clean_itl_needs_enough_clean_gaps_and_gives_their_share() -> None:
+    readings = [(0.0, {"cpu0": (0, 0)}), (100.0, {"cpu0": (10000, 0)})]
+
+    def record(n: int) -> dict[str, list[Any]]:
+        return {"start_times": [1.0], "ttfts": [0.1], "itls": [[0.01] * n], "errors": [""]}
+
+    few = clean_itl(readings, record(MIN_CLEAN_GAPS - 1))
+    assert math.isnan(few["itl_p99_clean"]) and few["clean_gaps_pct"] == 100.0
+    enough = clean_itl(readings, record(MIN_CLEAN_GAPS))
+    assert enough["itl_p50_clean"] == pytest.approx(10.0)
+    assert enough["itl_p99_clean"] == pytest.approx(10.0)
+    assert clean_itl(readings, None) == {}
+
+
+def test_both_clients_records_are_read_and_ours_is_asked_for(tmp_path: Path) -> None:
+    record = {"start_times": [1.0], "ttfts": [0.1], "itls": [[0.02]], "errors": [""]}
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"targets": {"http://x": {"errors": 0, "detailed": record}}}))
+    assert read_detailed("charserve", "chat", ours) == record
+    vllm = tmp_path / "vllm.json"
+    vllm.write_text(json.dumps({"completed": 1, "median_itl_ms": 20.0, **record}))
+    assert read_detailed("vllm", "chat", vllm) == record
+    assert read_detailed("vllm", "chat", _detailed(tmp_path, seed=1)) is None  # no gaps kept
+    assert read_detailed("charserve", "persona", ours) is None  # conversations keep none
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"targets": {"http://x": {"errors": 0}}}))
+    assert read_detailed("charserve", "chat", bare) is None
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    peer = peers(parser.parse_args([]), "/model")["charserve"]
+    assert "--save-detailed" in _our_client(peer, 32, 128, parser.parse_args([]), ours)

@@ -6,12 +6,15 @@ import math
 from pathlib import Path
 
 from cluster.bench.load import summarize
+from cluster.bench.samples import Sample, detailed
 from cluster.bench.steal import (
     StealTotals,
+    gaps_in_clean_windows,
     parse_cpu_times,
     per_core,
     read_cpu_times,
     steal_percent,
+    window_peaks,
     window_steal,
 )
 
@@ -96,3 +99,51 @@ def test_charserve_bench_reports_the_steal_over_its_rounds_and_not_without_count
     assert report["cpu_steal_pct"] == 5.5 and report["cpu_steal_pct_cores"] == [1.0, 10.0]
     assert "cpu_steal_pct" not in summarize([], 1.0, steal=StealTotals())
     assert "cpu_steal_pct" not in summarize([], 1.0)
+
+
+def test_a_window_is_as_stolen_as_its_most_stolen_core() -> None:
+    readings = [
+        (0.0, _stat((0, 0), (0, 0))),
+        (0.5, _stat((50, 0), (50, 10))),  # core 1 lost a fifth
+        (1.0, _stat((100, 1), (100, 10))),  # core 0 lost a fiftieth
+        (1.5, _stat((100, 1), (150, 10))),  # core 0's counters did not advance
+    ]
+    peaks = window_peaks(readings)
+    assert peaks[:2] == [20.0, 2.0] and math.isnan(peaks[2])
+    assert window_peaks([(0.0, {"cpu": (0, 0)}), (1.0, {"cpu": (100, 3)})]) == [3.0]
+
+
+def test_gaps_are_placed_by_when_they_ended_and_only_clean_windows_keep_theirs() -> None:
+    readings = [
+        (10.0, _stat((0, 0), (0, 0))),
+        (11.0, _stat((100, 0), (100, 1))),  # clean: 1% at most
+        (12.0, _stat((200, 0), (200, 31))),  # stolen: 30% of core 1
+        (13.0, _stat((300, 0), (300, 31))),  # clean
+    ]
+    record = {
+        # Sent at 10.2, first token at 10.4: gaps ending at 10.5, 11.5, 12.9 and 13.4
+        # (after the last reading: not placed).
+        "start_times": [10.2, 10.0],
+        "ttfts": [0.2, 0.5],
+        "itls": [[0.1, 1.0, 1.4, 0.5], [0.25]],
+        "errors": ["", "Too Many Requests"],  # a refused request's times are not gaps
+    }
+    clean, placed = gaps_in_clean_windows(readings, record, below_pct=2.0)
+    assert placed == 3
+    assert clean == [0.1, 1.4]
+    # Strictly below: a window with exactly the bound stolen is not clean.
+    assert gaps_in_clean_windows(readings, record, below_pct=1.0) == ([1.4], 3)
+
+
+def test_our_detailed_record_has_the_shape_of_vllms_clients() -> None:
+    ok = Sample(ok=True, ttft_s=0.2, itl_s=[0.1, 0.3], start_s=5.0)
+    refused = Sample(ok=False, ttft_s=0.0, error="HTTP 429", start_s=6.0)
+    record = detailed([ok, refused])
+    assert record == {
+        "start_times": [5.0, 6.0],
+        "ttfts": [0.2, 0.0],
+        "itls": [[0.1, 0.3], []],
+        "errors": ["", "HTTP 429"],
+    }
+    readings = [(4.0, _stat((0, 0), (0, 0))), (7.0, _stat((100, 0), (100, 0)))]
+    assert gaps_in_clean_windows(readings, record, below_pct=2.0) == ([0.1, 0.3], 2)

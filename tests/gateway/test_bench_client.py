@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 
@@ -65,6 +66,7 @@ async def test_lean_client_reports_an_http_error(gateway: Gateway) -> None:
 
 
 async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway) -> None:
+    before = time.perf_counter()
     samples, wall_s, cpu_s = await run_round_procs(
         2,
         url=gateway.base_url,
@@ -78,5 +80,9 @@ async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway
         client="lean",
         ramp_s=0.1,
     )
+    after = time.perf_counter()
     assert len(samples) == 5 and wall_s > 0 and cpu_s > 0
+    # Each process stamps its requests on the system's monotonic clock, the one this
+    # process (and bench-peers' CPU counters) reads: their gaps can be placed in time.
+    assert all(before < s.start_s < after for s in samples)
     assert all(s.ok and s.output_tokens == 4 for s in samples), [s.error for s in samples]
