@@ -4,7 +4,9 @@ An open-loop interactive stream (Poisson arrivals at ``--rate``, short replies) 
 closed-loop batch load (``--batch-concurrency`` requests always in flight, ``X-Priority:
 batch``, long replies) run in three phases of ``--duration`` seconds each: interactive
 alone, batch alone, both together. It reports interactive TTFT p50/p99 and batch output
-tokens/s per phase.
+tokens/s per phase, and the CPU steal over each phase (:mod:`cluster.bench.steal`): the
+share of the cores' time the hypervisor took, which a latency figure would otherwise read
+as the server's stall.
 
 Give it two gateways in front of the same Redis and workers, one with
 ``CHARSERVE_QUEUE_POLICY=edf`` and one with ``fifo``, and the two policies are measured in
@@ -28,6 +30,7 @@ import httpx
 
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
+from cluster.bench.steal import per_core, read_cpu_times, steal_percent
 
 
 async def _phase(
@@ -40,6 +43,7 @@ async def _phase(
         "X-Latency-Budget-Ms": str(args.interactive_budget_ms),
     }
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        counters = read_cpu_times()
         start = time.perf_counter()
         stop_at = start + args.duration
         batch_samples: list[Sample] = []
@@ -81,6 +85,7 @@ async def _phase(
             jobs.append(interactive_stream())
         await asyncio.gather(*jobs)
         wall = time.perf_counter() - start
+        stolen = steal_percent(counters, read_cpu_times())
     ok_inter = [s for s in inter_samples if s.ok]
     ok_batch = [s for s in batch_samples if s.ok]
     return {
@@ -92,6 +97,10 @@ async def _phase(
         "batch_errors": len(batch_samples) - len(ok_batch),
         "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1),
         "wall_s": round(wall, 1),
+        # Percent of all cores' time (and of each core's) the hypervisor took; NaN where
+        # the machine has no counters.
+        "cpu_steal_pct": round(stolen.get("cpu", float("nan")), 2),
+        "cpu_steal_pct_cores": [round(v, 2) for v in per_core(stolen)],
         "first_error": next((s.error for s in inter_samples + batch_samples if not s.ok), ""),
     }
 
@@ -154,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
         ("mixed", "batch_tokens_per_s"),
         ("mixed", "interactive_errors"),
         ("mixed", "batch_errors"),
+        ("interactive_only", "cpu_steal_pct"),
+        ("batch_only", "cpu_steal_pct"),
+        ("mixed", "cpu_steal_pct"),
     ]
     labels = list(result["results"])
     print(f"{'phase / metric':<44}" + "".join(f"{label:>14}" for label in labels))
