@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from cluster.bench.samples import Sample, StreamTimer, detailed, percentile
-from cluster.bench.steal import StealTotals, per_core, read_cpu_times
+from cluster.bench.steal import StealTotals, read_cpu_times, steal_fields
 from cluster.runtime import gc_policy as heap
 
 SYSTEM_PROMPT = (
@@ -322,10 +322,7 @@ def summarize(
         out["client_cpu_us_per_token"] = (
             round(client_cpu_s * 1e6 / out["output_tokens"], 2) if out["output_tokens"] else 0.0
         )
-    stolen = steal.percent() if steal is not None else {}
-    if "cpu" in stolen:
-        out["cpu_steal_pct"] = round(stolen["cpu"], 2)
-        out["cpu_steal_pct_cores"] = [round(v, 2) for v in per_core(stolen)]
+    out.update(steal_fields(steal.percent()) if steal is not None else {})
     errors = [s.error for s in samples if not s.ok]
     if errors:
         out["first_error"] = errors[0]

@@ -30,7 +30,7 @@ import httpx
 
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
-from cluster.bench.steal import per_core, read_cpu_times, steal_percent
+from cluster.bench.steal import read_cpu_times, steal_fields, steal_percent
 
 
 async def _phase(
@@ -97,10 +97,8 @@ async def _phase(
         "batch_errors": len(batch_samples) - len(ok_batch),
         "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1),
         "wall_s": round(wall, 1),
-        # Percent of all cores' time (and of each core's) the hypervisor took; NaN where
-        # the machine has no counters.
-        "cpu_steal_pct": round(stolen.get("cpu", float("nan")), 2),
-        "cpu_steal_pct_cores": [round(v, 2) for v in per_core(stolen)],
+        # Percent of all cores' time (and of each core's) the hypervisor took.
+        **steal_fields(stolen),
         "first_error": next((s.error for s in inter_samples + batch_samples if not s.ok), ""),
     }
 
@@ -170,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
     labels = list(result["results"])
     print(f"{'phase / metric':<44}" + "".join(f"{label:>14}" for label in labels))
     for phase, metric in rows:
-        cells = "".join(f"{result['results'][label][phase][metric]:>14}" for label in labels)
+        cells = "".join(
+            f"{result['results'][label][phase].get(metric, '-'):>14}" for label in labels
+        )
         print(f"{phase + ' ' + metric:<44}{cells}")
     for key, value in result["summary"].items():
         print(f"{key}: {value}")

@@ -82,6 +82,18 @@ def steal_percent(before: CpuTimes, after: CpuTimes) -> dict[str, float]:
     return totals.percent()
 
 
+def steal_fields(shares: dict[str, float]) -> dict[str, Any]:
+    """A benchmark report's fields for :func:`steal_percent`'s shares: ``cpu_steal_pct``
+    (all cores) and ``cpu_steal_pct_cores`` (each core's, in order), rounded; none where
+    there were no counters."""
+    if "cpu" not in shares:
+        return {}
+    return {
+        "cpu_steal_pct": round(shares["cpu"], 2),
+        "cpu_steal_pct_cores": [round(v, 2) for v in per_core(shares)],
+    }
+
+
 def window_steal(
     readings: list[tuple[float, CpuTimes]], start_s: float, end_s: float
 ) -> dict[str, float]:
