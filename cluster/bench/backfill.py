@@ -42,7 +42,7 @@ from cluster.backfill.driver import Options, backfill
 from cluster.backfill.plan import parse_spec, plan_dialogue
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
-from cluster.bench.steal import read_cpu_times, steal_fields, steal_percent
+from cluster.bench.steal import read_cpu_times, steal_since
 from cluster.runtime.net import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,19 +229,14 @@ async def served_phase(
     async with httpx.AsyncClient(timeout=120) as client:  # warm-up
         for prompt in USER_PROMPTS:
             await one_request(client, url, args.model, 8, prompt, {"X-Priority": "interactive"})
-    readings = [read_cpu_times()]
-
-    def stolen_since_last() -> dict[str, Any]:
-        """The CPU steal since the last reading (:mod:`cluster.bench.steal`)."""
-        readings.append(read_cpu_times())
-        return steal_fields(steal_percent(readings[-2], readings[-1]))
-
+    counters = read_cpu_times()
     stop = asyncio.Event()
     alone = asyncio.create_task(interactive_until(url, args, stop, args.seed))
     await asyncio.sleep(args.baseline_s)
     stop.set()
     baseline = await alone
-    steal = {"interactive_alone": stolen_since_last()}
+    steal = {"interactive_alone": steal_since(counters)}
+    counters = read_cpu_times()
     options = Options(
         base_url=url,
         api_key=None,
@@ -254,7 +249,8 @@ async def served_phase(
         extra_body={"ignore_eos": True} if args.ignore_eos else {},
     )
     report = await backfill(source, work / "backfill.out.jsonl", options)
-    steal["backfill"] = stolen_since_last()
+    steal["backfill"] = steal_since(counters)
+    counters = read_cpu_times()
     stop = asyncio.Event()
     beside = asyncio.create_task(interactive_until(url, args, stop, args.seed + 1))
     try:
@@ -262,7 +258,7 @@ async def served_phase(
     finally:
         stop.set()
     loaded = await beside
-    steal["beside"] = stolen_since_last()
+    steal["beside"] = steal_since(counters)
     # Each phase with the CPU steal over it: the share of the cores' time the hypervisor
     # took, which a latency figure would otherwise read as the server's stall.
     return {

@@ -94,7 +94,7 @@ class _Response:
         sample.status = self.status
         if self.status != 200:
             sample.error = f"HTTP {self.status}: {self.partial!r}"
-            sample.e2e_s = self.end - self.timer.start
+            sample.e2e_s = self.end - sample.start_s
             return sample
         return self.timer.finish(self.end)
 

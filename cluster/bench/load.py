@@ -72,7 +72,7 @@ async def one_request(
             timer.sample.status = resp.status_code
             if resp.status_code != 200:
                 timer.sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:400]!r}"
-                timer.sample.e2e_s = time.perf_counter() - timer.start
+                timer.sample.e2e_s = time.perf_counter() - timer.sample.start_s
                 return timer.sample
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

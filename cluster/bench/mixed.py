@@ -30,7 +30,7 @@ import httpx
 
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
-from cluster.bench.steal import read_cpu_times, steal_fields, steal_percent
+from cluster.bench.steal import read_cpu_times, steal_since
 
 
 async def _phase(
@@ -85,7 +85,7 @@ async def _phase(
             jobs.append(interactive_stream())
         await asyncio.gather(*jobs)
         wall = time.perf_counter() - start
-        stolen = steal_percent(counters, read_cpu_times())
+        stolen = steal_since(counters)
     ok_inter = [s for s in inter_samples if s.ok]
     ok_batch = [s for s in batch_samples if s.ok]
     return {
@@ -98,7 +98,7 @@ async def _phase(
         "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1),
         "wall_s": round(wall, 1),
         # Percent of all cores' time (and of each core's) the hypervisor took.
-        **steal_fields(stolen),
+        **stolen,
         "first_error": next((s.error for s in inter_samples + batch_samples if not s.ok), ""),
     }
 

@@ -40,11 +40,10 @@ class StreamTimer:
     """Times one streamed reply from its decoded SSE ``data:`` events; both load-generator
     clients (httpx and :mod:`cluster.bench.lean_client`) feed it, so they measure alike."""
 
-    __slots__ = ("last", "parts", "sample", "start")
+    __slots__ = ("last", "parts", "sample")
 
     def __init__(self, start: float) -> None:
         self.sample = Sample(ok=False, start_s=start)
-        self.start = start
         self.last = start
         self.parts: list[str] = []
 
@@ -66,7 +65,7 @@ class StreamTimer:
             if content:
                 self.parts.append(content)
                 if sample.ttft_s == 0.0:
-                    sample.ttft_s = now - self.start
+                    sample.ttft_s = now - sample.start_s
                 else:
                     sample.itl_s.append(now - self.last)
                 self.last = now
@@ -75,7 +74,7 @@ class StreamTimer:
     def finish(self, now: float) -> Sample:
         """The sample of a reply that ended at ``now``."""
         sample = self.sample
-        sample.e2e_s = now - self.start
+        sample.e2e_s = now - sample.start_s
         sample.text = "".join(self.parts)
         if not sample.error:
             sample.ok = sample.ttft_s > 0.0

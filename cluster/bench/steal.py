@@ -94,6 +94,12 @@ def steal_fields(shares: dict[str, float]) -> dict[str, Any]:
     }
 
 
+def steal_since(before: CpuTimes) -> dict[str, Any]:
+    """:func:`steal_fields` for the span from ``before`` (a :func:`read_cpu_times`
+    reading) to now: a benchmark phase's CPU steal."""
+    return steal_fields(steal_percent(before, read_cpu_times()))
+
+
 def window_steal(
     readings: list[tuple[float, CpuTimes]], start_s: float, end_s: float
 ) -> dict[str, float]:
