@@ -8,6 +8,12 @@ tokens/s per phase, and the CPU steal over each phase (:mod:`cluster.bench.steal
 share of the cores' time the hypervisor took, which a latency figure would otherwise read
 as the server's stall.
 
+With ``--rounds N`` the three phases run N times, each round's order rotated by one, and
+each phase is reported over its N runs with their samples pooled (a p99 of 60 requests is
+the slowest one; of 180, the second slowest), beside each round's own ratios. The machine
+drifts by a third within minutes, so phases run minutes apart are compared on unlike
+machines; rotating the order spreads that drift over all three.
+
 Give it two gateways in front of the same Redis and workers, one with
 ``CHARSERVE_QUEUE_POLICY=edf`` and one with ``fifo``, and the two policies are measured in
 one run, phase by phase, side by side. Interactive requests carry a generous latency budget
@@ -23,6 +29,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +37,23 @@ import httpx
 
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
-from cluster.bench.steal import read_cpu_times, steal_since
+from cluster.bench.steal import NAN, CpuTimes, StealTotals, read_cpu_times, steal_fields
+
+
+@dataclass(slots=True)
+class PhaseRun:
+    """One phase's run against one target: its samples, wall time and CPU readings."""
+
+    interactive: list[Sample]
+    batch: list[Sample]
+    wall_s: float
+    before: CpuTimes
+    after: CpuTimes
 
 
 async def _phase(
     url: str, args: argparse.Namespace, interactive: bool, batch: bool, seed: int
-) -> dict[str, Any]:
+) -> PhaseRun:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     inter_headers = {
@@ -85,43 +103,91 @@ async def _phase(
             jobs.append(interactive_stream())
         await asyncio.gather(*jobs)
         wall = time.perf_counter() - start
-        stolen = steal_since(counters)
-    ok_inter = [s for s in inter_samples if s.ok]
-    ok_batch = [s for s in batch_samples if s.ok]
+        return PhaseRun(inter_samples, batch_samples, wall, counters, read_cpu_times())
+
+
+def phase_report(runs: list[PhaseRun]) -> dict[str, Any]:
+    """One phase's figures over its runs (one per round), their samples pooled: TTFT
+    percentiles of every interactive request, batch tokens over the runs' summed wall
+    time, and the CPU steal over the runs' spans."""
+    inter = [s for run in runs for s in run.interactive]
+    batch = [s for run in runs for s in run.batch]
+    ok_inter = [s for s in inter if s.ok]
+    ok_batch = [s for s in batch if s.ok]
+    wall = sum(run.wall_s for run in runs)
+    steal = StealTotals()
+    for run in runs:
+        steal.add(run.before, run.after)
     return {
-        "interactive_requests": len(inter_samples),
-        "interactive_errors": len(inter_samples) - len(ok_inter),
+        "interactive_requests": len(inter),
+        "interactive_errors": len(inter) - len(ok_inter),
         "interactive_ttft_p50_ms": round(percentile([s.ttft_s for s in ok_inter], 50) * 1e3, 1),
         "interactive_ttft_p99_ms": round(percentile([s.ttft_s for s in ok_inter], 99) * 1e3, 1),
-        "batch_requests": len(batch_samples),
-        "batch_errors": len(batch_samples) - len(ok_batch),
-        "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1),
+        "batch_requests": len(batch),
+        "batch_errors": len(batch) - len(ok_batch),
+        "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1)
+        if wall > 0
+        else NAN,
         "wall_s": round(wall, 1),
         # Percent of all cores' time (and of each core's) the hypervisor took.
-        **stolen,
-        "first_error": next((s.error for s in inter_samples + batch_samples if not s.ok), ""),
+        **steal_fields(steal.percent()),
+        "first_error": next((s.error for s in inter + batch if not s.ok), ""),
     }
 
 
+def ratios(phases: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The bounds' two ratios for one target's phases: interactive TTFT p99 beside batch
+    over alone, and the share of batch throughput kept beside the chats."""
+    alone, mixed, batch = phases["interactive_only"], phases["mixed"], phases["batch_only"]
+    return {
+        "ttft_p99_mixed_over_alone": round(
+            mixed["interactive_ttft_p99_ms"] / alone["interactive_ttft_p99_ms"], 2
+        ),
+        "batch_throughput_kept": round(
+            mixed["batch_tokens_per_s"] / batch["batch_tokens_per_s"], 2
+        ),
+    }
+
+
+PHASES = {"interactive_only": (True, False), "batch_only": (False, True), "mixed": (True, True)}
+
+
+def round_order(index: int) -> list[str]:
+    """The phases in the order round ``index`` runs them: rotated by one each round, so
+    over three rounds each phase runs once first, once second and once last, and a machine
+    that drifts over minutes weighs on every phase alike."""
+    names = list(PHASES)
+    shift = index % len(names)
+    return names[shift:] + names[:shift]
+
+
 async def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the three phases for each target, interleaved phase by phase."""
+    """Run ``--rounds`` rounds of the three phases for each target, interleaved phase by
+    phase; report each phase over all rounds (samples pooled) and each round's ratios."""
     targets = dict(zip(args.labels.split(","), [args.base_url, *args.compare], strict=False))
-    phases = {"interactive_only": (True, False), "batch_only": (False, True), "mixed": (True, True)}
-    results: dict[str, dict[str, Any]] = {label: {} for label in targets}
-    for seed, (phase, (inter, batch)) in enumerate(phases.items()):
-        for label, url in targets.items():
-            results[label][phase] = await _phase(url, args, inter, batch, seed)
+    runs: dict[str, dict[str, list[PhaseRun]]] = {
+        label: {phase: [] for phase in PHASES} for label in targets
+    }
+    per_round: list[dict[str, dict[str, Any]]] = []
+    for index in range(args.rounds):
+        this_round: dict[str, dict[str, Any]] = {label: {} for label in targets}
+        for position, phase in enumerate(round_order(index)):
+            inter, batch = PHASES[phase]
+            seed = index * len(PHASES) + list(PHASES).index(phase)
+            for label, url in targets.items():
+                run = await _phase(url, args, inter, batch, seed)
+                runs[label][phase].append(run)
+                this_round[label][phase] = phase_report([run]) | {"position": position}
+        per_round.append(this_round)
+    results = {
+        label: {phase: phase_report(phase_runs) for phase, phase_runs in by_phase.items()}
+        for label, by_phase in runs.items()
+    }
     summary: dict[str, Any] = {}
-    for label, r in results.items():
-        alone, mixed = r["interactive_only"], r["mixed"]
-        summary[label] = {
-            "ttft_p99_mixed_over_alone": round(
-                mixed["interactive_ttft_p99_ms"] / alone["interactive_ttft_p99_ms"], 2
-            ),
-            "batch_throughput_kept": round(
-                mixed["batch_tokens_per_s"] / r["batch_only"]["batch_tokens_per_s"], 2
-            ),
-        }
+    for label, phases in results.items():
+        summary[label] = ratios(phases)
+        if args.rounds > 1:
+            summary[label]["rounds"] = [ratios(r[label]) for r in per_round]
     labels = list(targets)
     if len(labels) == 2:
         a, b = (results[x]["mixed"]["interactive_ttft_p99_ms"] for x in labels)
@@ -129,6 +195,7 @@ async def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "workload": vars(args) | {"compare": args.compare},
         "results": results,
+        "rounds": per_round,
         "summary": summary,
     }
 
@@ -145,6 +212,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-concurrency", type=int, default=48)
     parser.add_argument("--batch-max-tokens", type=int, default=64)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of the three phases, each round's order rotated; samples are pooled",
+    )
     parser.add_argument("--output", default=None, help="write the JSON result here")
 
 

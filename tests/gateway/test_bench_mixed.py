@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.bench.mixed import add_arguments, bench_mixed
+import pytest
+
+from cluster.bench.mixed import PHASES, add_arguments, bench_mixed, round_order
 from tests.gateway.conftest import Gateway
+
+
+def _args(gateway: Gateway, *extra: str) -> argparse.Namespace:
+    """A brief, light load against the test gateway."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(
+        ["--base-url", gateway.base_url, "--labels", "edf", "--rate", "10",
+         "--batch-concurrency", "2", "--batch-max-tokens", "4",
+         "--interactive-max-tokens", "2", *extra]
+    )  # fmt: skip
 
 
 async def test_every_phase_serves_both_classes_and_reports_its_cpu_steal(
     gateway: Gateway,
 ) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(
-        ["--base-url", gateway.base_url, "--labels", "edf", "--duration", "0.6",
-         "--rate", "10", "--batch-concurrency", "2", "--batch-max-tokens", "4",
-         "--interactive-max-tokens", "2"]
-    )  # fmt: skip
-    result = await bench_mixed(args)
+    result = await bench_mixed(_args(gateway, "--duration", "0.6"))
     phases = result["results"]["edf"]
     assert set(phases) == {"interactive_only", "batch_only", "mixed"}
     assert phases["interactive_only"]["batch_requests"] == 0
@@ -31,3 +37,34 @@ async def test_every_phase_serves_both_classes_and_reports_its_cpu_steal(
         assert all(0.0 <= v <= 100.0 for v in phase["cpu_steal_pct_cores"]), name
     assert phases["mixed"]["interactive_requests"] > 0 and phases["mixed"]["batch_requests"] > 0
     assert set(result["summary"]["edf"]) == {"ttft_p99_mixed_over_alone", "batch_throughput_kept"}
+    assert len(result["rounds"]) == 1
+
+
+def test_the_rounds_rotate_the_order_of_the_phases() -> None:
+    orders = [round_order(i) for i in range(3)]
+    assert orders[0] == ["interactive_only", "batch_only", "mixed"]
+    # Over three rounds each phase runs once in each position.
+    for position in range(3):
+        assert {order[position] for order in orders} == set(PHASES)
+    assert round_order(3) == orders[0]
+
+
+async def test_rounds_pool_their_samples_and_report_each_rounds_ratios(
+    gateway: Gateway,
+) -> None:
+    result = await bench_mixed(_args(gateway, "--duration", "0.4", "--rounds", "2"))
+    pooled = result["results"]["edf"]
+    rounds = [r["edf"] for r in result["rounds"]]
+    assert len(rounds) == 2
+    for phase in PHASES:
+        for key in ("interactive_requests", "batch_requests"):
+            assert pooled[phase][key] == sum(r[phase][key] for r in rounds), (phase, key)
+        assert pooled[phase]["wall_s"] == pytest.approx(
+            sum(r[phase]["wall_s"] for r in rounds), abs=0.11
+        )
+    # The second round ran the phases in the rotated order.
+    assert [rounds[1][p]["position"] for p in round_order(1)] == [0, 1, 2]
+    summary = result["summary"]["edf"]
+    assert len(summary["rounds"]) == 2
+    assert all(set(r) == {"ttft_p99_mixed_over_alone", "batch_throughput_kept"}
+               for r in summary["rounds"])  # fmt: skip
