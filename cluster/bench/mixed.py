@@ -37,7 +37,7 @@ import httpx
 
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
-from cluster.bench.steal import NAN, CpuTimes, StealTotals, read_cpu_times, steal_fields
+from cluster.bench.steal import CpuTimes, StealTotals, read_cpu_times, steal_fields
 
 
 @dataclass(slots=True)
@@ -125,9 +125,7 @@ def phase_report(runs: list[PhaseRun]) -> dict[str, Any]:
         "interactive_ttft_p99_ms": round(percentile([s.ttft_s for s in ok_inter], 99) * 1e3, 1),
         "batch_requests": len(batch),
         "batch_errors": len(batch) - len(ok_batch),
-        "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1)
-        if wall > 0
-        else NAN,
+        "batch_tokens_per_s": round(sum(s.output_tokens for s in ok_batch) / wall, 1),
         "wall_s": round(wall, 1),
         # Percent of all cores' time (and of each core's) the hypervisor took.
         **steal_fields(steal.percent()),
