@@ -9,7 +9,10 @@ reverse order (:func:`round_order`):
 - ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model M`` with vLLM's own
   defaults: the peer of record, what a user compares with;
 - ``vllm-ours``: vLLM's server with charserve's engine settings
-  (``python -m workers.baselines.vllm_server``), a second line.
+  (``python -m workers.baselines.vllm_server``), a second line;
+- ``charserve-NAME``, one per ``--charserve-config NAME=PATH``: ``charserve up`` serving
+  the Serve config at PATH, so two configs are compared in the same rounds, against the
+  same vLLM runs, rather than in runs minutes or hours apart on a machine that drifts.
 
 Two workloads (``--workload``):
 
@@ -125,25 +128,60 @@ class Peer:
     export_s: float = 0.0
 
 
+BUILT_IN_PEERS = ("charserve", "vllm", "vllm-ours")
+VARIANT_PREFIX = "charserve-"
+
+
+def variants(specs: list[str] | None) -> dict[str, Path]:
+    """``--charserve-config NAME=PATH`` options as {peer name: config path}; refuses a
+    malformed one, a name given twice, and a config file that does not exist."""
+    found: dict[str, Path] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,30}", name) or not path:
+            raise SystemExit(
+                f"--charserve-config {spec!r}: expected NAME=PATH, NAME of lower-case "
+                "letters, digits, '-' and '_'"
+            )
+        peer = VARIANT_PREFIX + name
+        if peer in found:
+            raise SystemExit(f"--charserve-config: {name!r} given twice")
+        if not Path(path).is_file():
+            raise SystemExit(f"--charserve-config {name}: no file {path}")
+        found[peer] = Path(path).resolve()
+    return found
+
+
+def _charserve(name: str, args: argparse.Namespace, config: Path | None) -> Peer:
+    env = {"CHARSERVE_DATA_DIR": str(Path(args.out) / f"{name}-data")}
+    if config is not None:
+        env["CHARSERVE_SERVE_CONFIG"] = str(config)
+    return Peer(
+        name,
+        [str(Path(sys.executable).with_name("charserve")), "up"],
+        8000,
+        "/ready",
+        SERVED,
+        env,
+        # The gateway shows what each worker exported last, every 5 s
+        # (cluster.runtime.prometheus.run_worker_exporter), on a page of about 80 KB
+        # that costs the gateway about 40 ms of CPU to render: every 2 s sees each
+        # export for about 2% of a core.
+        poll_s=2.0,
+        export_s=5.0,
+    )
+
+
 def peers(args: argparse.Namespace, model_path: str) -> dict[str, Peer]:
     """Every peer this run may start."""
     py = sys.executable
     memory = ["--gpu-memory-utilization", str(args.vllm_memory)]
     return {
-        "charserve": Peer(
-            "charserve",
-            [str(Path(py).with_name("charserve")), "up"],
-            8000,
-            "/ready",
-            SERVED,
-            {"CHARSERVE_DATA_DIR": str(Path(args.out) / "charserve-data")},
-            # The gateway shows what each worker exported last, every 5 s
-            # (cluster.runtime.prometheus.run_worker_exporter), on a page of about 80 KB
-            # that costs the gateway about 40 ms of CPU to render: every 2 s sees each
-            # export for about 2% of a core.
-            poll_s=2.0,
-            export_s=5.0,
-        ),
+        "charserve": _charserve("charserve", args, None),
+        **{
+            name: _charserve(name, args, path)
+            for name, path in variants(args.charserve_config).items()
+        },
         "vllm": Peer(
             "vllm",
             [
@@ -703,9 +741,10 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         }
         for key, rs in groups.items()
     }
+    pw = max([10, *(len(peer) for _, peer, _ in groups)])  # the peer column's width
     lines = [
-        f"{'client':<9} {'c':>3} {'peer':<10} "
-        + " ".join(f"{f:>14}" for f in figures)
+        f"{'client':<9} {'c':>3} {'peer':<{pw}} "
+        + " ".join(f"{f:>15}" for f in figures)
         + "".join(f" {f:>7}" for f in COUNTS)
         + f" {'steal%':>6} {'runs':>4}"
     ]
@@ -722,8 +761,8 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         )
         cells = [f"{m[f]:>7.1f}" + (f" ({ratios[f]:.2f}x)" if f in ratios else "") for f in figures]
         lines.append(
-            f"{client:<9} {c:>3} {peer:<10} "
-            + " ".join(f"{cell:>14}" for cell in cells)
+            f"{client:<9} {c:>3} {peer:<{pw}} "
+            + " ".join(f"{cell:>15}" for cell in cells)
             + "".join(f" {m[f]:>7.0f}" if m[f] == m[f] else f" {'-':>7}" for f in COUNTS)
             + (f" {m[STEAL]:>6.1f}" if _is_number(m[STEAL]) else f" {'-':>6}")
             + f" {len(groups[(client, peer, c)]):>4}"
@@ -731,7 +770,7 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         with_clean = sum(_is_number(r.get(CLEAN_FIGURES[-1])) for r in groups[(client, peer, c)])
         if with_clean:
             clean.append(
-                f"{client:<9} {c:>3} {peer:<10} "
+                f"{client:<9} {c:>3} {peer:<{pw}} "
                 + " ".join(
                     f"{m[f]:>7.1f}" + (f" ({ratios[f]:.2f}x)" if f in ratios else "")
                     for f in CLEAN_FIGURES
@@ -742,7 +781,7 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         steals = [row.get(STEAL, NAN) for row in in_order]
         if len(steals) > 1 and any(_is_number(v) for v in steals):
             stolen.append(
-                f"{client:<9} {c:>3} {peer:<10} "
+                f"{client:<9} {c:>3} {peer:<{pw}} "
                 + "/".join(f"{v:.1f}" if _is_number(v) else "-" for v in steals)
             )
         per_round = (
@@ -757,7 +796,7 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
         }
         if any(len(v) > 1 for v in per_round.values()):
             spread.append(
-                f"{client:<9} {c:>3} {peer:<10} "
+                f"{client:<9} {c:>3} {peer:<{pw}} "
                 + "  ".join(
                     f"{f} " + "/".join(f"{v:.2f}" for v in vs) for f, vs in per_round.items()
                 )
@@ -782,7 +821,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peers",
         nargs="+",
         default=["vllm", "charserve"],
-        choices=["charserve", "vllm", "vllm-ours"],
+        help="of charserve, vllm, vllm-ours and charserve-NAME for each --charserve-config",
+    )
+    parser.add_argument(
+        "--charserve-config",
+        action="append",
+        metavar="NAME=PATH",
+        help="a peer charserve-NAME: `charserve up` serving the Serve config at PATH "
+        "(repeatable); name it in --peers",
     )
     parser.add_argument("--clients", nargs="+", default=["vllm", "charserve"],
                         choices=["vllm", "charserve", "guidellm"])  # fmt: skip
@@ -836,6 +882,12 @@ def check(args: argparse.Namespace) -> None:
     """Refuse option combinations a run would fail on, before starting any server."""
     if len(args.concurrency) != len(args.prompts):
         raise SystemExit("--prompts gives one count per --concurrency")
+    known = [*BUILT_IN_PEERS, *variants(args.charserve_config)]
+    unknown = [p for p in args.peers if p not in known]
+    if unknown:
+        raise SystemExit(f"--peers: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    if len(set(args.peers)) != len(args.peers):
+        raise SystemExit("--peers: a peer named twice")
     if args.workload != "persona":
         return
     if "guidellm" in args.clients:

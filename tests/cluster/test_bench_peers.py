@@ -269,6 +269,60 @@ def test_persona_options_are_checked_before_any_server_starts() -> None:
             check(parser.parse_args(["--workload", "persona", *bad]))
 
 
+def test_a_charserve_config_is_a_peer_of_its_own_serving_that_config(tmp_path: Path) -> None:
+    config = tmp_path / "spin.yaml"
+    config.write_text("applications: []\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--charserve-config", f"spin={config}"]
+    argv += ["--peers", "vllm", "charserve", "charserve-spin"]
+    args = parser.parse_args(["--out", str(tmp_path / "out"), *argv])
+    check(args)
+    known = peers(args, "/model")
+    spin, default = known["charserve-spin"], known["charserve"]
+    assert spin.command == default.command  # charserve up, the same way
+    assert spin.env["CHARSERVE_SERVE_CONFIG"] == str(config.resolve())
+    assert "CHARSERVE_SERVE_CONFIG" not in default.env  # the default config, as make run
+    # Each keeps its own data (its Redis, its queues) apart from the other's.
+    assert spin.env["CHARSERVE_DATA_DIR"] != default.env["CHARSERVE_DATA_DIR"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--peers", "charserve-spin"],  # no such config given
+        ["--peers", "vllm", "vllm"],
+        ["--charserve-config", "spin", "--peers", "vllm"],  # no path
+        ["--charserve-config", "Spin Fast=x.yaml", "--peers", "vllm"],
+        ["--charserve-config", "spin=/nonexistent.yaml", "--peers", "vllm"],
+        ["--charserve-config", "a=CFG", "--charserve-config", "a=CFG", "--peers", "vllm"],
+    ],
+)
+def test_unknown_peers_and_malformed_configs_are_refused_before_any_server_starts(
+    argv: list[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("applications: []\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        check(parser.parse_args([a.replace("CFG", str(config)) for a in argv]))
+
+
+def test_a_long_peer_name_widens_its_column() -> None:
+    rows = [_row(1, "vllm", "vllm", 1, 50.0, 60.0)]
+    rows.append(_row(1, "charserve-spin", "vllm", 1, 50.0, 66.0))
+    text, summary = table(rows)
+    header, *body = text.splitlines()
+    assert "vllm/charserve-spin/c1" in summary
+    # The first figure's cell ends where its header does, with or without a ratio.
+    ends = {header.index("ttft_p50") + len("ttft_p50")}
+    for line in body:
+        cell = "60.0" if "60.0" in line else "66.0 (1.10x)"
+        ends.add(line.index(cell) + len(cell))
+    assert len(ends) == 1
+
+
 def test_the_sampler_reads_the_cpu_counters_from_its_start_to_its_stop() -> None:
     # No server answers: the gauge has no samples, the counters are still read.
     sampler = RunningSampler("http://127.0.0.1:9/metrics", poll_s=0.05)
