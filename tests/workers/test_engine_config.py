@@ -348,3 +348,29 @@ def test_an_example_starts_vllms_own_server_alike(
     parsed = vllm_server_parser.parse_args(engine.server_args("m", "127.0.0.1", 8100))
     for key, value in engine.engine_args.items():
         assert getattr(parsed, key) == value, key
+
+
+@pytest.mark.parametrize(
+    ("eager", "setting", "expected"),
+    [
+        (False, None, None),  # vLLM's own default (ahead-of-time on, with torch 2.10+)
+        (False, True, "1"),
+        (False, False, "0"),
+        (True, False, None),  # eager mode compiles nothing
+    ],
+)
+def test_ahead_of_time_compilation_is_vllms_default_unless_set(
+    eager: bool, setting: bool | None, expected: str | None
+) -> None:
+    for device in ("cpu", "cuda"):
+        config = EngineConfig(device=device, enforce_eager=eager, aot_compile=setting)
+        assert config.env().get("VLLM_USE_AOT_COMPILE") == expected
+
+
+def test_the_default_cpu_config_compiles_ahead_of_time_as_vllm_does() -> None:
+    # What make run serves: compiled, with vLLM's ahead-of-time default (off, each step
+    # cost about 2 ms more than under vLLM's own server: docs/benchmarks.md, session 16).
+    config = yaml.safe_load((CONFIGS / "local-cpu.yaml").read_text())
+    engine = EngineConfig.model_validate(config["applications"][0]["args"]["engine"])
+    assert not engine.enforce_eager
+    assert "VLLM_USE_AOT_COMPILE" not in engine.env()

@@ -282,6 +282,14 @@ class EngineConfig(BaseModel):
         "hold besides its decodes, which bounds the step an arriving interactive request "
         "waits behind (0: up to max_num_batched_tokens).",
     )
+    aot_compile: bool | None = Field(
+        default=None,
+        description="Compiled mode only: vLLM's ahead-of-time compilation "
+        "(VLLM_USE_AOT_COMPILE). None: vLLM's default (on, with the installed torch). "
+        "Off, a step runs through Dynamo's dispatch and costs about 2 ms more on the CPU "
+        "(docs/benchmarks.md); on, vLLM 0.32 on the CPU cannot load what it saved, so "
+        "each start compiles again (about 40 s).",
+    )
     engine_core_spin: bool | None = Field(
         default=None,
         description="With latency_first_steps: let vLLM's engine core spin while its model "
@@ -485,11 +493,8 @@ class EngineConfig(BaseModel):
             env[NICE_ENV] = str(nice)
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_space_gib:g}"
-            if not self.enforce_eager:
-                # vLLM 0.32's ahead-of-time compile artifacts fail to load on the CPU
-                # ("'function' object has no attribute 'finalize_loading'"), so every start
-                # compiled again (about 120 s here); torch.compile's own cache loads (64 s).
-                env["VLLM_USE_AOT_COMPILE"] = "0"
+        if not self.enforce_eager and self.aot_compile is not None:
+            env["VLLM_USE_AOT_COMPILE"] = "1" if self.aot_compile else "0"
         return env
 
     def server_args(self, model_path: str, host: str, port: int) -> list[str]:
