@@ -368,8 +368,8 @@ def test_ahead_of_time_compilation_is_vllms_default_unless_set(
 
 
 def test_the_default_cpu_config_compiles_ahead_of_time_as_vllm_does() -> None:
-    # What make run serves: compiled, with vLLM's ahead-of-time default (off, each step
-    # cost about 2 ms more than under vLLM's own server: docs/benchmarks.md, session 16).
+    # What make run serves: compiled, with vLLM's ahead-of-time default (off, each token
+    # cost about 9% more at one stream: docs/benchmarks.md, session 16).
     config = yaml.safe_load((CONFIGS / "local-cpu.yaml").read_text())
     engine = EngineConfig.model_validate(config["applications"][0]["args"]["engine"])
     assert not engine.enforce_eager

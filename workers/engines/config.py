@@ -286,9 +286,9 @@ class EngineConfig(BaseModel):
         default=None,
         description="Compiled mode only: vLLM's ahead-of-time compilation "
         "(VLLM_USE_AOT_COMPILE). None: vLLM's default (on, with the installed torch). "
-        "Off, a step runs through Dynamo's dispatch and costs about 2 ms more on the CPU "
-        "(docs/benchmarks.md); on, vLLM 0.32 on the CPU cannot load what it saved, so "
-        "each start compiles again (about 40 s).",
+        "Off, every forward runs through Dynamo's dispatch: about 9% more per token at one "
+        "stream on the CPU (docs/benchmarks.md); on, vLLM 0.32 on the CPU cannot load "
+        "what it saved, so each start compiles again (about 20 to 40 s).",
     )
     engine_core_spin: bool | None = Field(
         default=None,
