@@ -128,7 +128,6 @@ class Peer:
     export_s: float = 0.0
 
 
-BUILT_IN_PEERS = ("charserve", "vllm", "vllm-ours")
 VARIANT_PREFIX = "charserve-"
 
 
@@ -882,7 +881,7 @@ def check(args: argparse.Namespace) -> None:
     """Refuse option combinations a run would fail on, before starting any server."""
     if len(args.concurrency) != len(args.prompts):
         raise SystemExit("--prompts gives one count per --concurrency")
-    known = [*BUILT_IN_PEERS, *variants(args.charserve_config)]
+    known = list(peers(args, model_path="M"))  # the names only: no model is needed
     unknown = [p for p in args.peers if p not in known]
     if unknown:
         raise SystemExit(f"--peers: unknown {', '.join(unknown)} (known: {', '.join(known)})")
