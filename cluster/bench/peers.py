@@ -3,7 +3,11 @@ measured by vLLM's benchmark client and by ``charserve bench``.
 
 Per round, each peer in turn is started, warmed, measured at every concurrency by every
 client, and stopped, so no two engines ever share the cores; even rounds run the peers in
-reverse order (:func:`round_order`):
+reverse order (:func:`round_order`). A start and a stop take minutes, and the machine's
+speed drifts within minutes; with ``--together`` every peer is started once and kept
+loaded, and each is frozen (SIGSTOP on every process it started) while another is
+measured, so it takes no CPU, and two peers' runs are seconds apart: many small rounds
+then compare the servers on the same machine. The peers are:
 
 - ``charserve``: ``charserve up`` (the default config, as ``make run`` serves it);
 - ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model M`` with vLLM's own
@@ -593,36 +597,144 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(None)
     known = peers(args, model_path)
+    if args.together:
+        return _measure_together(args, known, model_path)
     rows: list[dict[str, Any]] = []
     for r in range(1, args.rounds + 1):
         for name in round_order(args.peers, r):
             peer = known[name]
-            logfile = (out / f"{name}-server-{r}.log").open("wb")
-            process = subprocess.Popen(
-                peer.command,
-                stdout=logfile,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **peer.env},
-                start_new_session=True,
-            )
+            process, logfile = _start(peer, out / f"{name}-server-{r}.log")
             try:
                 _wait_ready(f"http://127.0.0.1:{peer.port}{peer.ready_path}", process, 600)
                 log.info("peer up", peer=name, round=r)
-                warm = out / f"{name}-warmup-{r}.json"
-                subprocess.run(
-                    _vllm_client(peer, model_path, 1, 4, args, warm),
-                    check=True,
-                    capture_output=True,
-                )
-                for concurrency, prompts in zip(args.concurrency, args.prompts, strict=True):
-                    for client in args.clients:
-                        row = _measure_one(peer, client, concurrency, prompts, model_path, args, r)
-                        if row is not None:
-                            rows.append(row)
+                _warm(peer, model_path, args, out / f"{name}-warmup-{r}.json")
+                rows.extend(_measure_peer(peer, model_path, args, r))
             finally:
                 _stop(process)
                 logfile.close()
             time.sleep(5)  # the engine's memory returns to the machine
+    return rows
+
+
+def _start(peer: Peer, log_path: Path) -> tuple[subprocess.Popen[bytes], Any]:
+    """Start ``peer`` in a session of its own (so its whole tree can be signalled)."""
+    logfile = log_path.open("wb")
+    process = subprocess.Popen(
+        peer.command,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **peer.env},
+        start_new_session=True,
+    )
+    return process, logfile
+
+
+def _warm(peer: Peer, model_path: str, args: argparse.Namespace, path: Path) -> None:
+    """Four requests at one stream, not measured: compiled paths and caches warm."""
+    subprocess.run(
+        _vllm_client(peer, model_path, 1, 4, args, path), check=True, capture_output=True
+    )
+
+
+def _measure_peer(
+    peer: Peer, model_path: str, args: argparse.Namespace, r: int
+) -> list[dict[str, Any]]:
+    """Every client at every concurrency against ``peer``, in round ``r``."""
+    rows = []
+    for concurrency, prompts in zip(args.concurrency, args.prompts, strict=True):
+        for client in args.clients:
+            row = _measure_one(peer, client, concurrency, prompts, model_path, args, r)
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+def tree_pids(leader: int, proc: Path = Path("/proc")) -> list[int]:
+    """Every process of a server ``leader`` started (its own pid first): its descendants
+    and the members of its session, with theirs. A ``charserve up`` starts its gateway
+    and Redis in sessions of their own, and Ray's workers are the raylet's children, so
+    neither relation alone finds them all."""
+    parent: dict[int, int] = {}
+    members = {leader}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # After the name (in parentheses, which may hold spaces): state, ppid, pgrp, session.
+        fields = stat.rsplit(")", 1)[1].split()
+        pid, ppid, session = int(entry.name), int(fields[1]), int(fields[3])
+        parent[pid] = ppid
+        if session == leader:
+            members.add(pid)
+    grew = True
+    while grew:
+        more = {pid for pid, ppid in parent.items() if ppid in members} - members
+        members |= more
+        grew = bool(more)
+    return sorted(members, key=lambda pid: (pid != leader, pid))
+
+
+def signal_session(leader: int, sig: int) -> int:
+    """Send ``sig`` to every process of the server ``leader`` started; how many got it."""
+    sent = 0
+    for pid in tree_pids(leader):
+        try:
+            os.kill(pid, sig)
+            sent += 1
+        except ProcessLookupError:
+            pass
+    return sent
+
+
+def _freeze(process: subprocess.Popen[bytes]) -> None:
+    """Stop every process of a server: it takes no CPU while another is measured."""
+    signal_session(process.pid, signal.SIGSTOP)
+
+
+def _thaw(process: subprocess.Popen[bytes]) -> None:
+    """Let a frozen server's processes run again."""
+    signal_session(process.pid, signal.SIGCONT)
+
+
+def _measure_together(
+    args: argparse.Namespace, known: dict[str, Peer], model_path: str
+) -> list[dict[str, Any]]:
+    """``--together``: every peer is started once and stays loaded; each is measured in
+    turn while the others are frozen (SIGSTOP on every process they started, so their
+    engines, Ray, Redis and gateways take no CPU at all), and thawed for their own runs after
+    ``--pause-s`` to settle. The runs of two peers are then seconds apart, not the minutes
+    a start and stop take, so many small rounds see the same machine."""
+    out = Path(args.out)
+    started: dict[str, tuple[subprocess.Popen[bytes], Any]] = {}
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in args.peers:
+            peer = known[name]
+            process, logfile = _start(peer, out / f"{name}-server.log")
+            started[name] = (process, logfile)
+            _wait_ready(f"http://127.0.0.1:{peer.port}{peer.ready_path}", process, 600)
+            _warm(peer, model_path, args, out / f"{name}-warmup.json")
+            _freeze(process)
+            log.info("peer up, frozen until its turn", peer=name)
+        for r in range(1, args.rounds + 1):
+            for name in round_order(args.peers, r):
+                peer, (process, _) = known[name], started[name]
+                _thaw(process)
+                try:
+                    # Its heartbeats and presence lapsed while it was frozen: ready again first.
+                    _wait_ready(f"http://127.0.0.1:{peer.port}{peer.ready_path}", process, 120)
+                    time.sleep(args.pause_s)
+                    rows.extend(_measure_peer(peer, model_path, args, r))
+                finally:
+                    _freeze(process)
+    finally:
+        for process, logfile in started.values():
+            _thaw(process)  # a stopped process cannot act on SIGTERM
+            _stop(process)
+            logfile.close()
     return rows
 
 
@@ -874,6 +986,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="persona: tokens after the prefix in vLLM's client (ours sends the history)",
     )
     parser.add_argument("--vllm-memory", type=float, default=0.85)
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="start every peer once and keep them loaded, each frozen (SIGSTOP) while "
+        "another is measured: runs seconds apart rather than minutes, for many small "
+        "rounds (the engines' memory must fit together: lower --vllm-memory)",
+    )
+    parser.add_argument(
+        "--pause-s",
+        type=float,
+        default=2.0,
+        help="--together: seconds a thawed peer settles before its runs",
+    )
     parser.add_argument("--out", default="bench-peers", help="every run's result files")
 
 
@@ -887,6 +1012,15 @@ def check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--peers: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     if len(set(args.peers)) != len(args.peers):
         raise SystemExit("--peers: a peer named twice")
+    if args.together:
+        stacks = [p for p in args.peers if p == "charserve" or p.startswith(VARIANT_PREFIX)]
+        if len(stacks) > 1:
+            # Each `charserve up` serves port 8000 and starts a Ray of its own.
+            raise SystemExit(
+                f"--together runs one charserve peer at most (not {', '.join(stacks)})"
+            )
+        if not 0 <= args.pause_s <= 60:
+            raise SystemExit("--pause-s: from 0 to 60 seconds")
     if args.workload != "persona":
         return
     if "guidellm" in args.clients:

@@ -10,8 +10,8 @@
 - ``charserve bench-mixed``: interactive beside batch, EDF against FIFO (``cluster.bench.mixed``).
 - ``charserve bench-sessions``: multi-turn sessions, affinity against none
   (``cluster.bench.sessions``).
-- ``charserve bench-peers``: charserve against vLLM's own server, one at a time, by vLLM's
-  client and ours (``cluster.bench.peers``).
+- ``charserve bench-peers``: charserve against vLLM's own server, one at a time or
+  together, by vLLM's client and ours (``cluster.bench.peers``).
 - ``charserve bench-tenants``: one tenant floods, another chats beside it
   (``cluster.bench.tenants``).
 - ``charserve backfill``: character dialogues through a gateway (``cluster.backfill``).
@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser("bench-sessions", help="multi-turn sessions, affinity against none")
     )
     bench_peers.add_arguments(
-        sub.add_parser("bench-peers", help="charserve against vLLM's own server, one at a time")
+        sub.add_parser(
+            "bench-peers", help="charserve against vLLM's own server, one at a time or together"
+        )
     )
     bench_tenants.add_arguments(
         sub.add_parser("bench-tenants", help="one tenant floods, another chats beside it")

@@ -7,6 +7,9 @@ import argparse
 import http.server
 import json
 import math
+import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,10 +17,13 @@ from typing import Any
 
 import pytest
 
+from cluster.bench import peers as bench_peers
 from cluster.bench.peers import (
     MIN_CLEAN_GAPS,
     RunningSampler,
+    _freeze,
     _our_client,
+    _thaw,
     add_arguments,
     check,
     clean_itl,
@@ -28,7 +34,9 @@ from cluster.bench.peers import (
     read_vllm,
     round_order,
     running_mean,
+    signal_session,
     table,
+    tree_pids,
 )
 from cluster.bench.steal import window_steal
 
@@ -296,6 +304,9 @@ def test_a_charserve_config_is_a_peer_of_its_own_serving_that_config(tmp_path: P
         ["--charserve-config", "Spin Fast=x.yaml", "--peers", "vllm"],
         ["--charserve-config", "spin=/nonexistent.yaml", "--peers", "vllm"],
         ["--charserve-config", "a=CFG", "--charserve-config", "a=CFG", "--peers", "vllm"],
+        # Together: each charserve up serves port 8000 with a Ray of its own.
+        ["--together", "--charserve-config", "b=CFG", "--peers", "charserve", "charserve-b"],
+        ["--together", "--pause-s", "-1"],
     ],
 )
 def test_unknown_peers_and_malformed_configs_are_refused_before_any_server_starts(
@@ -447,3 +458,79 @@ def test_both_clients_records_are_read_and_ours_is_asked_for(tmp_path: Path) -> 
     add_arguments(parser)
     peer = peers(parser.parse_args([]), "/model")["charserve"]
     assert "--save-detailed" in _our_client(peer, 32, 128, parser.parse_args([]), ours)
+
+
+def test_together_takes_any_vllm_peers_beside_one_charserve() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    check(parser.parse_args(["--together", "--peers", "vllm", "vllm-ours", "charserve"]))
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_freezing_a_peer_stops_every_process_it_started_and_thawing_resumes_them() -> None:
+    # A server in a session of its own, as _start starts one: a child in its session, and
+    # a child in a session of its own (as charserve up starts its gateway and Redis).
+    command = "sleep 60 & setsid sleep 60 & exec sleep 60"
+    process = subprocess.Popen(["sh", "-c", command], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(pids := tree_pids(process.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pids) == 3 and pids[0] == process.pid
+        assert os.getpid() not in pids  # not what started the server
+        _freeze(process)
+        assert {_state(p) for p in pids} == {"T"}
+        _thaw(process)
+        assert "T" not in {_state(p) for p in pids}
+    finally:
+        signal_session(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_together_measures_each_peer_while_the_others_are_frozen_and_stops_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--together", "--rounds", "2", "--pause-s", "0", "--out", str(tmp_path)]
+    )
+    frozen: set[str] = set()
+    events: list[tuple[str, ...]] = []
+
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    def start(peer: Any, log_path: Path) -> tuple[Any, Any]:
+        events.append(("start", peer.name))
+        return Server(peer.name), log_path.open("wb")
+
+    def measure_peer(peer: Any, model: str, a: Any, r: int) -> list[dict[str, Any]]:
+        # Only the measured peer runs; every other one is frozen.
+        assert frozen == set(args.peers) - {peer.name}
+        events.append(("measure", peer.name, str(r)))
+        if r == 2 and peer.name == "charserve":
+            raise RuntimeError("a client failed")
+        return [{"round": r, "peer": peer.name}]
+
+    monkeypatch.setattr(bench_peers, "resolve_model", lambda _: "/model")
+    monkeypatch.setattr(bench_peers, "_start", start)
+    monkeypatch.setattr(bench_peers, "_wait_ready", lambda *a: None)
+    monkeypatch.setattr(bench_peers, "_warm", lambda peer, *a: events.append(("warm", peer.name)))
+    monkeypatch.setattr(bench_peers, "_measure_peer", measure_peer)
+    monkeypatch.setattr(bench_peers, "_freeze", lambda s: frozen.add(s.name))
+    monkeypatch.setattr(bench_peers, "_thaw", lambda s: frozen.discard(s.name))
+    monkeypatch.setattr(bench_peers, "_stop", lambda s: events.append(("stop", s.name)))
+    with pytest.raises(RuntimeError):
+        bench_peers.measure(args)
+    assert events == [
+        ("start", "vllm"), ("warm", "vllm"), ("start", "charserve"), ("warm", "charserve"),
+        ("measure", "vllm", "1"), ("measure", "charserve", "1"),
+        ("measure", "charserve", "2"),  # even rounds reversed; it failed
+        ("stop", "vllm"), ("stop", "charserve"),  # everything stopped all the same
+    ]  # fmt: skip
+    assert frozen == set()  # thawed, so each could act on its SIGTERM
