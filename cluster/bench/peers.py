@@ -677,7 +677,7 @@ def tree_pids(leader: int, proc: Path = Path("/proc")) -> list[int]:
     return sorted(members, key=lambda pid: (pid != leader, pid))
 
 
-def signal_session(leader: int, sig: int) -> int:
+def signal_tree(leader: int, sig: int) -> int:
     """Send ``sig`` to every process of the server ``leader`` started; how many got it."""
     sent = 0
     for pid in tree_pids(leader):
@@ -691,12 +691,12 @@ def signal_session(leader: int, sig: int) -> int:
 
 def _freeze(process: subprocess.Popen[bytes]) -> None:
     """Stop every process of a server: it takes no CPU while another is measured."""
-    signal_session(process.pid, signal.SIGSTOP)
+    signal_tree(process.pid, signal.SIGSTOP)
 
 
 def _thaw(process: subprocess.Popen[bytes]) -> None:
     """Let a frozen server's processes run again."""
-    signal_session(process.pid, signal.SIGCONT)
+    signal_tree(process.pid, signal.SIGCONT)
 
 
 def _measure_together(

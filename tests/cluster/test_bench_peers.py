@@ -34,7 +34,7 @@ from cluster.bench.peers import (
     read_vllm,
     round_order,
     running_mean,
-    signal_session,
+    signal_tree,
     table,
     tree_pids,
 )
@@ -486,7 +486,7 @@ def test_freezing_a_peer_stops_every_process_it_started_and_thawing_resumes_them
         _thaw(process)
         assert "T" not in {_state(p) for p in pids}
     finally:
-        signal_session(process.pid, signal.SIGKILL)
+        signal_tree(process.pid, signal.SIGKILL)
         process.wait()
 
 
