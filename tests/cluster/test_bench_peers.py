@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -470,6 +471,15 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+def _states_within(pids: list[int], wanted: Callable[[set[str]], bool]) -> bool:
+    deadline = time.monotonic() + 5
+    while not wanted({_state(p) for p in pids}):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_freezing_a_peer_stops_every_process_it_started_and_thawing_resumes_them() -> None:
     # A server in a session of its own, as _start starts one: a child in its session, and
     # a child in a session of its own (as charserve up starts its gateway and Redis).
@@ -481,10 +491,12 @@ def test_freezing_a_peer_stops_every_process_it_started_and_thawing_resumes_them
             time.sleep(0.01)
         assert len(pids) == 3 and pids[0] == process.pid
         assert os.getpid() not in pids  # not what started the server
+        # A signal takes effect when its process next leaves the kernel: not at once for
+        # one running on the other core, so each state is waited for (up to 5 s).
         _freeze(process)
-        assert {_state(p) for p in pids} == {"T"}
+        assert _states_within(pids, lambda states: states == {"T"})
         _thaw(process)
-        assert "T" not in {_state(p) for p in pids}
+        assert _states_within(pids, lambda states: "T" not in states)
     finally:
         signal_tree(process.pid, signal.SIGKILL)
         process.wait()
