@@ -131,6 +131,11 @@ class Peer:
     poll_s: float = 0.5
     export_s: float = 0.0
 
+    @property
+    def base_url(self) -> str:
+        """Where it answers."""
+        return f"http://127.0.0.1:{self.port}"
+
 
 VARIANT_PREFIX = "charserve-"
 
@@ -273,7 +278,7 @@ def _vllm_client(
     return [
         sys.executable, "-m", "workers.baselines.vllm_bench",
         "--backend", "openai-chat",
-        "--base-url", f"http://127.0.0.1:{peer.port}",
+        "--base-url", peer.base_url,
         "--endpoint", "/v1/chat/completions",
         "--model", peer.model,
         "--tokenizer", tokenizer,
@@ -295,7 +300,7 @@ def _our_client(
     if args.workload == "persona":
         return [
             sys.executable, "-m", "cluster.bench.conversations",
-            "--base-url", f"http://127.0.0.1:{peer.port}",
+            "--base-url", peer.base_url,
             "--model", peer.model,
             "--concurrency", str(concurrency),
             "--turns", str(requests // concurrency),
@@ -307,7 +312,7 @@ def _our_client(
         ]  # fmt: skip
     return [
         str(Path(sys.executable).with_name("charserve")), "bench",
-        "--base-url", f"http://127.0.0.1:{peer.port}",
+        "--base-url", peer.base_url,
         "--model", peer.model,
         "--concurrency", str(concurrency),
         "--requests", str(requests),
@@ -325,7 +330,7 @@ def _guidellm_client(
 ) -> list[str]:
     return [
         args.guidellm, "run",
-        "--backend", f"kind=openai_http,target=http://127.0.0.1:{peer.port},model={peer.model}",
+        "--backend", f"kind=openai_http,target={peer.base_url},model={peer.model}",
         "--profile", f"kind=concurrent,streams={concurrency}",
         "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
         f"output_tokens={args.output_len}",
@@ -605,7 +610,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             peer = known[name]
             process, logfile = _start(peer, out / f"{name}-server-{r}.log")
             try:
-                _wait_ready(f"http://127.0.0.1:{peer.port}{peer.ready_path}", process, 600)
+                _wait_ready(peer.base_url + peer.ready_path, process, 600)
                 log.info("peer up", peer=name, round=r)
                 _warm(peer, model_path, args, out / f"{name}-warmup-{r}.json")
                 rows.extend(_measure_peer(peer, model_path, args, r))
@@ -677,16 +682,13 @@ def tree_pids(leader: int, proc: Path = Path("/proc")) -> list[int]:
     return sorted(members, key=lambda pid: (pid != leader, pid))
 
 
-def signal_tree(leader: int, sig: int) -> int:
-    """Send ``sig`` to every process of the server ``leader`` started; how many got it."""
-    sent = 0
+def signal_tree(leader: int, sig: int) -> None:
+    """Send ``sig`` to every process of the server ``leader`` started."""
     for pid in tree_pids(leader):
         try:
             os.kill(pid, sig)
-            sent += 1
         except ProcessLookupError:
-            pass
-    return sent
+            pass  # gone meanwhile
 
 
 def _freeze(process: subprocess.Popen[bytes]) -> None:
@@ -715,7 +717,7 @@ def _measure_together(
             peer = known[name]
             process, logfile = _start(peer, out / f"{name}-server.log")
             started[name] = (process, logfile)
-            _wait_ready(f"http://127.0.0.1:{peer.port}{peer.ready_path}", process, 600)
+            _wait_ready(peer.base_url + peer.ready_path, process, 600)
             _warm(peer, model_path, args, out / f"{name}-warmup.json")
             _freeze(process)
             log.info("peer up, frozen until its turn", peer=name)
@@ -725,7 +727,7 @@ def _measure_together(
                 _thaw(process)
                 try:
                     # Its heartbeats and presence lapsed while it was frozen: ready again first.
-                    _wait_ready(f"http://127.0.0.1:{peer.port}{peer.ready_path}", process, 120)
+                    _wait_ready(peer.base_url + peer.ready_path, process, 120)
                     time.sleep(args.pause_s)
                     rows.extend(_measure_peer(peer, model_path, args, r))
                 finally:
@@ -757,7 +759,7 @@ def _measure_one(
     else:
         cmd = _our_client(peer, concurrency, prompts, args, path)
     path.unlink(missing_ok=True)  # an earlier run's report is not this run's
-    sampler = RunningSampler(f"http://127.0.0.1:{peer.port}/metrics", peer.poll_s)
+    sampler = RunningSampler(f"{peer.base_url}/metrics", peer.poll_s)
     with sampler.running():
         started_s = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
