@@ -73,6 +73,7 @@ from typing import Any
 import httpx
 import structlog
 
+from cluster.bench import steps
 from cluster.bench.samples import percentile
 from cluster.bench.steal import (
     CpuTimes,
@@ -82,6 +83,7 @@ from cluster.bench.steal import (
     window_steal,
 )
 from cluster.runtime.bundled_model import resolve_model
+from cluster.runtime.steplog import STEP_LOG_ENV, read_steps
 
 log = structlog.get_logger(__name__)
 
@@ -138,6 +140,8 @@ class Peer:
 
 
 VARIANT_PREFIX = "charserve-"
+# vLLM's own scheduler with a step log, for vLLM's server (--step-log).
+LOGGING_SCHEDULER = "workers.engines.steplog.LoggingScheduler"
 
 
 def variants(specs: list[str] | None) -> dict[str, Path]:
@@ -161,7 +165,7 @@ def variants(specs: list[str] | None) -> dict[str, Path]:
 
 
 def _charserve(name: str, args: argparse.Namespace, config: Path | None) -> Peer:
-    env = {"CHARSERVE_DATA_DIR": str(Path(args.out) / f"{name}-data")}
+    env = {"CHARSERVE_DATA_DIR": str(Path(args.out) / f"{name}-data"), **_step_log_env(name, args)}
     if config is not None:
         env["CHARSERVE_SERVE_CONFIG"] = str(config)
     return Peer(
@@ -178,6 +182,15 @@ def _charserve(name: str, args: argparse.Namespace, config: Path | None) -> Peer
         poll_s=2.0,
         export_s=5.0,
     )
+
+
+def step_log_dir(peer: str, args: argparse.Namespace) -> Path:
+    """Where ``peer``'s engine core logs its steps with ``--step-log``."""
+    return Path(args.out) / f"{peer}-steps"
+
+
+def _step_log_env(peer: str, args: argparse.Namespace) -> dict[str, str]:
+    return {STEP_LOG_ENV: str(step_log_dir(peer, args).resolve())} if args.step_log else {}
 
 
 def peers(args: argparse.Namespace, model_path: str) -> dict[str, Peer]:
@@ -201,11 +214,13 @@ def peers(args: argparse.Namespace, model_path: str) -> dict[str, Peer]:
                 "--port",
                 "8100",
                 *memory,
+                # vLLM's own scheduler, logging its steps (only with --step-log).
+                *(["--scheduler-cls", LOGGING_SCHEDULER] if args.step_log else []),
             ],
             8100,
             "/v1/models",
             model_path,
-            {},
+            _step_log_env("vllm", args),
         ),
         "vllm-ours": Peer(
             "vllm-ours",
@@ -780,6 +795,10 @@ def _measure_one(
     mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
     steal = window_steal(sampler.cpu, start_s, end_s)
     row: dict[str, Any] = {"round": r, "peer": peer.name, "client": client, "c": concurrency}
+    if args.step_log and peer.name != "vllm-ours":
+        row["engine_steps"] = steps.summarise(
+            read_steps(step_log_dir(peer.name, args), start_s, end_s)
+        )
     return {
         **row,
         **figures,
@@ -916,6 +935,14 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             )
     if spread:
         lines += ["", "each round's own ratios to vllm, by the same client:", *spread]
+    stepped = [row for row in rows if row.get("engine_steps")]
+    if stepped:
+        lines += [
+            "",
+            "engine steps per run: requests started per step (size×steps), and the share of "
+            "decodes that waited for a prefill in their step:",
+            *(step_line(row, pw) for row in sorted(stepped, key=_run_order)),
+        ]
     if stolen:
         lines += ["", "CPU steal in each round, percent of all cores' time:", *stolen]
     if clean:
@@ -926,6 +953,20 @@ def table(rows: list[dict[str, Any]], workload: str = "chat") -> tuple[str, dict
             *clean,
         ]
     return "\n".join(lines), summary
+
+
+def _run_order(row: dict[str, Any]) -> tuple[str, int, str, int]:
+    return row["client"], row["c"], row["peer"], row["round"]
+
+
+def step_line(row: dict[str, Any], width: int) -> str:
+    """One run's engine steps (``row["engine_steps"]``) as a line of the table."""
+    e = row["engine_steps"]
+    return (
+        f"{row['client']:<9} {row['c']:>3} {row['peer']:<{width}} round {row['round']}: "
+        f"{e['steps']} steps, {e['arrival_steps']} starting requests ({e['arrivals']}), "
+        f"{e['stalled_pct']:.2f}% of decodes stalled, decode step {e['decode_step_ms']} ms"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1000,6 +1041,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="--together: seconds a thawed peer settles before its runs",
+    )
+    parser.add_argument(
+        "--step-log",
+        action="store_true",
+        help="log every engine step of charserve and of vLLM's server (in OUT/PEER-steps) "
+        "and show, per run, how the streams reached the engine and the share of decodes "
+        "that waited for another request's prefill",
     )
     parser.add_argument("--out", default="bench-peers", help="every run's result files")
 

@@ -40,6 +40,7 @@ from cluster.bench.peers import (
     tree_pids,
 )
 from cluster.bench.steal import window_steal
+from cluster.runtime.steplog import STEP_LOG_ENV
 
 
 def _row(
@@ -546,3 +547,37 @@ def test_together_measures_each_peer_while_the_others_are_frozen_and_stops_all(
         ("stop", "vllm"), ("stop", "charserve"),  # everything stopped all the same
     ]  # fmt: skip
     assert frozen == set()  # thawed, so each could act on its SIGTERM
+
+
+def test_a_step_log_is_asked_of_charserve_and_of_vllms_own_server_only_when_wanted(
+    tmp_path: Path,
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plain = peers(parser.parse_args(["--out", str(tmp_path)]), "/model")
+    assert "--scheduler-cls" not in plain["vllm"].command
+    assert all(STEP_LOG_ENV not in p.env for p in plain.values())
+    logged = peers(parser.parse_args(["--out", str(tmp_path), "--step-log"]), "/model")
+    vllm, ours = logged["vllm"], logged["charserve"]
+    at = vllm.command.index("--scheduler-cls")
+    assert vllm.command[at + 1] == "workers.engines.steplog.LoggingScheduler"
+    # Each engine core logs into a folder of its own, under --out.
+    assert vllm.env[STEP_LOG_ENV] == str((tmp_path / "vllm-steps").resolve())
+    assert ours.env[STEP_LOG_ENV] == str((tmp_path / "charserve-steps").resolve())
+
+
+def test_each_runs_engine_steps_are_a_section_of_the_table() -> None:
+    steps = {"steps": 391, "arrival_steps": 18, "arrivals": "1×6 25×5", "stalled_pct": 1.6,
+             "decode_step_ms": 117.5}  # fmt: skip
+    ours = {**steps, "arrivals": "1×11 23×3"}
+    rows = [
+        {**_row(1, "vllm", "vllm", 32, 190.0, 2900.0), "engine_steps": steps},
+        {**_row(1, "charserve", "vllm", 32, 196.0, 3200.0), "engine_steps": ours},
+        _row(1, "charserve", "charserve", 32, 196.0, 3200.0),  # a run without a step log
+    ]
+    text, _ = table(rows)
+    section = text.split("engine steps per run")[1].splitlines()[1:]
+    assert len(section) == 2
+    assert section[0].split()[:3] == ["vllm", "32", "charserve"]
+    assert "(1×11 23×3)" in section[0] and "1.60% of decodes stalled" in section[0]
+    assert section[1].split()[:3] == ["vllm", "32", "vllm"] and "(1×6 25×5)" in section[1]

@@ -6,7 +6,9 @@ written by the test), so these tests check what the engine would batch in each s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from cluster.runtime.steplog import STEP_LOG_ENV, read_steps
 from workers.engines import scheduler as scheduler_module
 from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV, NICE_ENV, SPIN_ENV
@@ -34,6 +37,7 @@ from workers.engines.scheduler import (
     check_scheduler_api,
     latency_first_scheduler,
 )
+from workers.engines.steplog import LoggingScheduler
 
 BLOCK = 16
 TOKEN_BUDGET = 256
@@ -227,6 +231,48 @@ def test_the_hook_builds_the_asynchronous_variant_where_vllm_schedules_asynchron
         return latency_first_scheduler(vllm_config=vllm_config, **kwargs)
 
     assert isinstance(make_scheduler(model_path, hook), LatencyFirstAsyncScheduler)
+
+
+@pytest.mark.parametrize("factory", [latency_first_scheduler, LoggingScheduler])
+def test_with_a_step_log_every_step_is_logged_as_it_was_scheduled(
+    model_path: str,
+    factory: Callable[..., Scheduler],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """charserve's hook, and vLLM's own scheduler as its server runs it with the log on."""
+    monkeypatch.setenv(SPIN_ENV, "1")
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "log"))
+    logged = make_scheduler(model_path, factory)
+    plain = make_scheduler(model_path, Scheduler)
+    for s in (logged, plain):
+        s.add_request(request("a", 30, 1_000, batch=False))
+    scheduled = [step(logged)]
+    assert scheduled == [step(plain)]  # logging changes no step
+    for s in (logged, plain):
+        s.add_request(request("b", 20, 1_001, batch=False))
+        s.add_request(request("c", 10, 1_002, batch=False))
+    for _ in range(3):
+        scheduled.append(step(logged))
+        assert scheduled[-1] == step(plain)
+    steps = read_steps(tmp_path / "log", 0.0, math.inf)
+    assert [(x.tokens, x.new, x.new_tokens, x.requests) for x in steps] == [
+        (30, 1, 30, 1),
+        (31, 2, 30, 3),  # a's decode waited for b's and c's prefills
+        (3, 0, 0, 3),
+        (3, 0, 0, 3),
+    ]
+    assert [sum(s.values()) for s in scheduled] == [x.tokens for x in steps]
+
+
+def test_without_a_step_log_the_hook_builds_its_scheduler_as_it_was(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SPIN_ENV, "1")
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    monkeypatch.delenv(STEP_LOG_ENV, raising=False)
+    assert type(make_scheduler(model_path, latency_first_scheduler)) is LatencyFirstScheduler
 
 
 def test_the_installed_vllm_has_the_scheduler_api_it_needs() -> None:

@@ -47,6 +47,7 @@ from vllm.v1.request import Request
 
 from cluster.errors import ConfigError
 from cluster.runtime.introspect import missing_names
+from workers.engines import steplog
 from workers.engines.base import BATCH_PRIORITY_BASE
 from workers.engines.config import BATCH_PREFILL_ENV
 from workers.engines.engine_wait import set_nice, spin_wanted, stop_spinning, wanted_nice
@@ -205,7 +206,8 @@ def latency_first_scheduler(*, vllm_config: VllmConfig, **kwargs: Any) -> Schedu
 
     vLLM decides asynchronous scheduling from the platform and executor (off on the CPU,
     on for most CUDA setups), after the engine arguments are read, so the choice is made
-    here, when the engine core builds its scheduler.
+    here, when the engine core builds its scheduler. With ``CHARSERVE_STEP_LOG`` set it
+    logs every step (:mod:`workers.engines.steplog`).
     """
     check_scheduler_api()
     if not spin_wanted():
@@ -215,6 +217,11 @@ def latency_first_scheduler(*, vllm_config: VllmConfig, **kwargs: Any) -> Schedu
     if nice is not None:
         # Built after the executor: its model workers were started and keep their priority.
         set_nice(nice)
-    if vllm_config.scheduler_config.async_scheduling:
-        return LatencyFirstAsyncScheduler(vllm_config=vllm_config, **kwargs)
-    return LatencyFirstScheduler(vllm_config=vllm_config, **kwargs)
+    cls: type[Scheduler] = (
+        LatencyFirstAsyncScheduler
+        if vllm_config.scheduler_config.async_scheduling
+        else LatencyFirstScheduler
+    )
+    if steplog.from_environment() is not None:
+        cls = steplog.with_step_log(cls)
+    return cls(vllm_config=vllm_config, **kwargs)

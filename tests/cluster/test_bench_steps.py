@@ -1,0 +1,50 @@
+"""Step logs read back: a run's window of steps, and what they show of how the streams
+reached the engine."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from cluster.bench.steps import summarise
+from cluster.runtime.steplog import Step, line, parse, read_steps
+
+
+def test_a_log_reads_back_as_written_and_a_line_being_written_is_left_out() -> None:
+    steps = [Step(1.5, 80, 1, 80, 1), Step(1.6, 2, 0, 0, 2)]
+    text = "".join(line(s) for s in steps)
+    assert parse(text) == steps
+    assert parse(text + "1.7\t3\t0") == steps  # cut mid-line by a reader
+
+
+def test_the_window_selects_steps_across_every_process_log_in_order(tmp_path: Path) -> None:
+    (tmp_path / "steps-1.tsv").write_text(line(Step(1.0, 1, 0, 0, 1)) + line(Step(3.0, 1, 0, 0, 1)))
+    (tmp_path / "steps-2.tsv").write_text(line(Step(2.0, 5, 1, 5, 1)) + line(Step(9.0, 1, 0, 0, 1)))
+    (tmp_path / "other.txt").write_text(line(Step(2.5, 1, 0, 0, 1)))
+    assert [s.at_s for s in read_steps(tmp_path, 1.5, 3.0)] == [2.0, 3.0]
+    assert read_steps(tmp_path / "missing", 0.0, 10.0) == []
+
+
+def test_a_group_arriving_beside_running_decodes_stalls_them() -> None:
+    # One stream first; 3 arrive while it decodes (it waits for their prefill), then all
+    # 4 decode: 1 of the 4 + 3 + 4 + 4 decodes waited, in a step of its own.
+    steps = [
+        Step(0.00, 50, 1, 50, 1),
+        Step(0.05, 151, 3, 150, 4),
+        Step(0.20, 4, 0, 0, 4),
+        Step(0.24, 4, 0, 0, 4),
+        Step(0.28, 4, 0, 0, 4),
+    ]
+    s = summarise(steps)
+    assert s["steps"] == 5 and s["arrival_steps"] == 2
+    assert s["arrivals"] == "1×1 3×1"
+    decodes = 0 + 1 + 4 + 4 + 4
+    assert s["stalled_pct"] == round(100 * 1 / decodes, 2)
+    # Only the gaps after steps that started nothing: 40 ms each.
+    assert s["decode_step_ms"] == 40.0
+
+
+def test_no_steps_summarise_to_nothing_and_one_step_has_no_decode_time() -> None:
+    assert summarise([]) == {}
+    one = summarise([Step(0.0, 4, 0, 0, 4)])
+    assert one["stalled_pct"] == 0.0 and math.isnan(float(one["decode_step_ms"]))
