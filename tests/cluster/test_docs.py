@@ -24,6 +24,7 @@ OTHER_VARIABLES = {
     "CHARSERVE_LOG_TTL_S",  # reply_log_ttl_s's old name (cluster.runtime.settings)
     "CHARSERVE_API_KEY",  # the backfill CLI (cluster.backfill.cli)
     "CHARSERVE_BASE_URL",  # the backfill CLI
+    "CHARSERVE_STEP_LOG",  # an engine core's step log (cluster.runtime.steplog)
 }
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
