@@ -478,6 +478,11 @@ def test_bad_ha_urls_fail_at_connect(url: str, error: str) -> None:
         connect(url)
 
 
+# How much later than the first connection error a reply the dead primary had already
+# sent may still be read on another connection.
+REPLY_READ_SLACK_S = 0.05
+
+
 @dataclass
 class Writes:
     """What a writer saw: job ids acknowledged (and when), errors, and when it was stuck."""
@@ -577,7 +582,15 @@ async def test_a_sentinel_failover_is_followed_and_its_loss_measured(
         assert received["data"] == b"after"
         # Asynchronous replication: what a failover loses was acknowledged in the last
         # moment before the crash (the replica's lag), never earlier and never afterwards.
-        assert all(-0.5 < age and killed_s + age < writes.first_error_s for age in lost.values())
+        # "Afterwards" allows a moment's read: each writer has a connection of its own, and
+        # a reply the old primary sent just before it died can be read on one connection
+        # after another has already seen it gone (a CI run lost writes acknowledged 4.0 to
+        # 4.3 ms after the kill, its first error about 4 ms after it). The new primary
+        # acknowledges nothing for far longer: the sentinels take a second or more.
+        assert all(
+            -0.5 < age and killed_s + age < writes.first_error_s + REPLY_READ_SLACK_S
+            for age in lost.values()
+        )
         assert writes.last_error_s - killed_s < 20
     finally:
         stop.set()
