@@ -184,13 +184,12 @@ def _charserve(name: str, args: argparse.Namespace, config: Path | None) -> Peer
     )
 
 
-def step_log_dir(peer: str, args: argparse.Namespace) -> Path:
-    """Where ``peer``'s engine core logs its steps with ``--step-log``."""
-    return Path(args.out) / f"{peer}-steps"
-
-
 def _step_log_env(peer: str, args: argparse.Namespace) -> dict[str, str]:
-    return {STEP_LOG_ENV: str(step_log_dir(peer, args).resolve())} if args.step_log else {}
+    """With ``--step-log``, the environment that has ``peer``'s engine core log its steps
+    into ``OUT/PEER-steps``."""
+    if not args.step_log:
+        return {}
+    return {STEP_LOG_ENV: str((Path(args.out) / f"{peer}-steps").resolve())}
 
 
 def peers(args: argparse.Namespace, model_path: str) -> dict[str, Peer]:
@@ -795,10 +794,9 @@ def _measure_one(
     mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
     steal = window_steal(sampler.cpu, start_s, end_s)
     row: dict[str, Any] = {"round": r, "peer": peer.name, "client": client, "c": concurrency}
-    if args.step_log and peer.name != "vllm-ours":
-        row["engine_steps"] = steps.summarise(
-            read_steps(step_log_dir(peer.name, args), start_s, end_s)
-        )
+    step_log = peer.env.get(STEP_LOG_ENV)
+    if step_log:  # a peer whose engine core logs its steps
+        row["engine_steps"] = steps.summarise(read_steps(Path(step_log), start_s, end_s))
     return {
         **row,
         **figures,

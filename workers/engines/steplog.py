@@ -67,14 +67,13 @@ def with_step_log(cls: S) -> S:
     """A subclass of the scheduler ``cls`` that logs each step it schedules."""
 
     class Logged(cls):  # type: ignore[valid-type, misc]
-        # Read at the first step, in the engine core's process (None: the log is off).
-        _step_recorder: StepRecorder | None = None
-        _step_log_read = False
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Built in the engine core's process, so its environment (None: the log is off).
+            self._step_recorder = from_environment()
 
         def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
             output = super().schedule(*args, **kwargs)
-            if not self._step_log_read:
-                self._step_recorder, self._step_log_read = from_environment(), True
             if self._step_recorder is not None:
                 self._step_recorder.record(output)
             return output
