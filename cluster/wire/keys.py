@@ -143,6 +143,11 @@ class Keys:
         """Latest encoded WorkerStats of one worker (expires with its heartbeat)."""
         return self._key("worker", worker_id)
 
+    @property
+    def worker_stats_prefix(self) -> str:
+        """:meth:`worker_stats` without the worker id (for the capacity script)."""
+        return self._key("worker", "")
+
     def worker_metrics(self, worker_id: str) -> str:
         """A worker's exported Prometheus text (expires unless refreshed)."""
         return self._key("metrics", worker_id)

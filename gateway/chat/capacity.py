@@ -4,6 +4,10 @@ Admission must not add Redis round trips to every request's time to first token,
 task reads the workers' heartbeats and the queue depth every ``refresh_ms`` and keeps the
 result; a request only asks Redis how much work is ahead of it when the snapshot says it
 may have to wait at all.
+
+A refresh is one read-only script call (Redis's clock, the fresh workers' stats, the queue
+depth), not a lookup of the worker ids followed by a pipeline: the refresh runs ten times a
+second in every gateway process, busy or idle, on the core the engine's scheduler shares.
 """
 
 from __future__ import annotations
@@ -22,6 +26,20 @@ from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
 
 log = structlog.get_logger(__name__)
+
+# KEYS: 1 the workers' heartbeat set, 2 the queue. ARGV: 1 how recent a heartbeat must be
+# (ms, by Redis's clock), 2 the worker-stats key prefix. Returns {seconds, microseconds,
+# queued jobs, then the stats of each fresh worker (nil if it expired meanwhile)}.
+_SNAPSHOT = """#!lua flags=no-writes
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')
+local out = {t[1], t[2], redis.call('ZCARD', KEYS[2])}
+for _, id in ipairs(ids) do
+  out[#out + 1] = redis.call('GET', ARGV[2] .. id) or false
+end
+return out
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +95,14 @@ class CapacityView:
         refresh_ms: int = 100,
         clock: RedisClock | None = None,
     ) -> None:
-        self._redis = redis
         self._keys = keys
+        self._snapshot = redis.register_script(_SNAPSHOT)
         self.clock = clock or RedisClock()
         self._fresh_ms = 3 * heartbeat_ms
         self._refresh_s = refresh_ms / 1000.0
         self.current = Capacity()
         self._stop = asyncio.Event()
+        self._sleeping = False
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -96,13 +115,22 @@ class CapacityView:
         leave its connection unusable for the client's own close)."""
         self._stop.set()
         if self._task is not None:
+            if self._sleeping:
+                self._task.cancel()
             await self._task
 
     async def _run(self) -> None:
+        # A plain sleep, not a wait_for on the stop event (a task and a timer per tick):
+        # close() cancels the sleep, never a refresh.
         while not self._stop.is_set():
+            self._sleeping = True
             try:
-                await asyncio.wait_for(self._stop.wait(), self._refresh_s)
-            except TimeoutError:
+                await asyncio.sleep(self._refresh_s)
+            except asyncio.CancelledError:
+                return
+            finally:
+                self._sleeping = False
+            if not self._stop.is_set():
                 await self._refresh_safely()
 
     async def _refresh_safely(self) -> None:
@@ -113,17 +141,11 @@ class CapacityView:
 
     async def refresh(self) -> Capacity:
         """Read heartbeats and queue depth now (and Redis's clock, which every deadline
-        and freshness judgement of this process follows)."""
-        fresh_from = self.clock.now_ms() - self._fresh_ms
-        ids = await self._redis.zrangebyscore(self._keys.workers, fresh_from, "+inf")
-        stats: list[WorkerStats] = []
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.time()
-            for worker_id in ids:
-                name = worker_id.decode() if isinstance(worker_id, bytes) else str(worker_id)
-                pipe.get(self._keys.worker_stats(name))
-            pipe.zcard(self._keys.queue)
-            redis_time, *raw, waiting = await pipe.execute()
-        self.clock.observe(RedisClock.from_time_reply(redis_time))
+        and freshness judgement of this process follows), in one round trip."""
+        seconds, micros, waiting, *raw = await self._snapshot(
+            keys=[self._keys.workers, self._keys.queue],
+            args=[self._fresh_ms, self._keys.worker_stats_prefix],
+        )
+        self.clock.observe(RedisClock.from_time_reply((int(seconds), int(micros))))
         stats = [protocol.decode_as(r, WorkerStats) for r in raw if r]
         return summarize(stats, int(waiting), time.monotonic())

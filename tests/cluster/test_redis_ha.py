@@ -31,9 +31,10 @@ from cluster.runtime.redis_client import connect, connect_sync, parse_url, redac
 from cluster.runtime.redis_server import find_redis_server
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
-from cluster.wire.protocol import Cancel
+from cluster.wire.protocol import Cancel, WorkerStats
 from cluster.wire.queue import JobQueue
 from cluster.wire.tenants import ApiKeys
+from gateway.chat.capacity import CapacityView
 from tests.cluster.test_queue import job
 from tests.polling import Signal
 
@@ -283,12 +284,14 @@ async def test_pub_sub_transactions_and_time_work_through_a_cluster(
     await publish_process_metrics(cluster, keys.gateway_metrics("g"), "m1", "up 1\n", 60)
     assert await read_process_metrics(cluster, keys.gateway_metrics("g")) == {"m1": "up 1\n"}
 
-    # TIME (keyless: one node answers) in a pipeline beside keyed reads, as capacity does.
-    async with cluster.pipeline(transaction=False) as pipe:
-        pipe.time()
-        pipe.zcard(keys.queue)
-        (seconds, _), waiting = await pipe.execute()
-    assert abs(seconds - time.time()) < 5 and waiting == 0
+    # The gateway's capacity snapshot: a read-only script that calls TIME and reads the
+    # stats keys it builds from a prefix (in the namespace's slot).
+    beat_ms = time.time_ns() // 1_000_000
+    await cluster.zadd(keys.workers, {"w1": beat_ms})
+    stats = WorkerStats(worker_id="w1", max_slots=4, running=1, ts_ms=beat_ms)
+    await cluster.set(keys.worker_stats("w1"), protocol.encode(stats))
+    snapshot = await CapacityView(cluster, keys, heartbeat_ms=1000).refresh()
+    assert (snapshot.workers, snapshot.free_slots, snapshot.waiting) == (1, 3, 0)
 
 
 def test_the_sync_client_reads_the_backlog_through_a_cluster(cluster_url: str) -> None:

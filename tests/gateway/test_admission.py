@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from cluster.runtime.clock import RedisClock
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job, WorkerStats
@@ -23,7 +24,7 @@ from gateway.chat.admission import (
     capped_wait_ms,
     estimate_ttft_ms,
 )
-from gateway.chat.capacity import Capacity, summarize
+from gateway.chat.capacity import Capacity, CapacityView, summarize
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
 
@@ -88,6 +89,37 @@ async def _heartbeat(redis: aioredis.Redis, keys: Keys, stats: WorkerStats) -> N
     """Announce a worker that claims nothing, as a real one would announce itself."""
     await redis.zadd(keys.workers, {stats.worker_id: stats.ts_ms})
     await redis.set(keys.worker_stats(stats.worker_id), protocol.encode(stats), px=60_000)
+
+
+async def test_the_capacity_view_reads_live_workers_and_the_queue(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """One refresh sees the workers whose heartbeat is fresh by Redis's clock (not a stale
+    one, nor one whose stats expired), counts the queue, and follows Redis's clock."""
+    now = time.time_ns() // 1_000_000
+    for worker_id, beat_ms in (("fresh", now), ("stale", now - 10_000)):
+        await _heartbeat(
+            redis, keys, WorkerStats(worker_id=worker_id, max_slots=4, running=1, ts_ms=beat_ms)
+        )
+    await redis.zadd(keys.workers, {"expired": now})  # its stats key is gone
+    await redis.zadd(keys.queue, {"a": 1, "b": 2})
+    clock = RedisClock(local=lambda: 0)
+    view = CapacityView(redis, keys, heartbeat_ms=1000, clock=clock)
+    snapshot = await view.refresh()
+    assert (snapshot.workers, snapshot.free_slots, snapshot.waiting) == (1, 3, 2)
+    assert list(snapshot.free_by_worker) == ["fresh"]
+    assert abs(clock.now_ms() - time.time_ns() // 1_000_000) < 5_000
+
+
+async def test_the_capacity_view_closes_without_waiting_out_its_period(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """Closing cancels the wait between two refreshes: a long period does not hold a
+    gateway's shutdown."""
+    view = CapacityView(redis, keys, heartbeat_ms=1000, refresh_ms=600_000)
+    await view.start()
+    await asyncio.sleep(0)
+    await asyncio.wait_for(view.close(), timeout=5.0)
 
 
 @pytest.fixture
