@@ -44,15 +44,6 @@ log = structlog.get_logger(__name__)
 # In the data folder, held by the running stack (see data_dir_lock).
 LOCK_NAME = "up.lock"
 
-# The local Ray's Serve controller loops every 0.1 s by default: about 3% of a core, idle
-# or busy, on the machine whose cores the engine needs (measured: 0.65 s of CPU in 20 idle
-# seconds, 0.27 s at 0.5 s). It starts a replica or scales at most 0.4 s later; charserve's
-# failover does not wait for it (leases in Redis). An operator's own value wins. On a
-# cluster the controller runs on the head node, off the engines' cores, so this is only
-# the local stack's default.
-SERVE_CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
-LOCAL_SERVE_CONTROL_LOOP_S = "0.5"
-
 
 @contextlib.contextmanager
 def sigint_ignored() -> Iterator[None]:
@@ -177,10 +168,7 @@ class LocalStack:
         if address:
             ray.init(address=address, logging_level=logging.WARNING)
         else:
-            # Lean local Ray: no dashboard, nothing listening beyond 127.0.0.1, and a
-            # Serve controller that wakes less often (its processes inherit this one's
-            # environment).
-            os.environ.setdefault(SERVE_CONTROL_LOOP_ENV, LOCAL_SERVE_CONTROL_LOOP_S)
+            # Lean local Ray: no dashboard, nothing listening beyond 127.0.0.1.
             with sigint_ignored():
                 ray.init(
                     include_dashboard=False,

@@ -4,17 +4,14 @@ Redis, Ray Serve and vLLM's CPU engine with the bundled model."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 
 import httpx
 import openai
-import psutil
 import pytest
 import redis.asyncio as aioredis
 
-from cluster.ops.stack import LOCAL_SERVE_CONTROL_LOOP_S, SERVE_CONTROL_LOOP_ENV
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
@@ -199,17 +196,6 @@ async def test_ready_and_models(stack: Stack) -> None:
         assert (await http.get("/ready")).json()["workers"] == 1
         models = (await http.get("/v1/models")).json()["data"]
         assert models[0]["id"] == MODEL and models[0]["max_model_len"] == 2048
-
-
-def test_the_local_serve_controller_wakes_at_the_stacks_period(stack: Stack) -> None:
-    """``charserve up`` slows its local Ray's Serve controller loop (it shares the engine's
-    cores): the controller process runs with the stack's period."""
-    controllers = []
-    for proc in stack.descendants():
-        with contextlib.suppress(psutil.Error):
-            if "ServeController" in " ".join(proc.cmdline()):
-                controllers.append(proc.environ().get(SERVE_CONTROL_LOOP_ENV))
-    assert controllers == [LOCAL_SERVE_CONTROL_LOOP_S]
 
 
 async def test_disconnect_aborts_the_engine_request(stack: Stack) -> None:
