@@ -24,22 +24,25 @@ from cluster.runtime.clock import RedisClock
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import WorkerStats
+from cluster.wire.queue import NOW_MS_LUA
 
 log = structlog.get_logger(__name__)
 
 # KEYS: 1 the workers' heartbeat set, 2 the queue. ARGV: 1 how recent a heartbeat must be
-# (ms, by Redis's clock), 2 the worker-stats key prefix. Returns {seconds, microseconds,
-# queued jobs, then the stats of each fresh worker (nil if it expired meanwhile)}.
-_SNAPSHOT = """#!lua flags=no-writes
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+# (ms, by Redis's clock), 2 the worker-stats key prefix. Returns {Redis's time (ms), queued
+# jobs, then the stats of each fresh worker (nil if it expired meanwhile)}.
+_SNAPSHOT = (
+    "#!lua flags=no-writes\n"
+    + NOW_MS_LUA
+    + """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')
-local out = {t[1], t[2], redis.call('ZCARD', KEYS[2])}
+local out = {now, redis.call('ZCARD', KEYS[2])}
 for _, id in ipairs(ids) do
   out[#out + 1] = redis.call('GET', ARGV[2] .. id) or false
 end
 return out
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +145,10 @@ class CapacityView:
     async def refresh(self) -> Capacity:
         """Read heartbeats and queue depth now (and Redis's clock, which every deadline
         and freshness judgement of this process follows), in one round trip."""
-        seconds, micros, waiting, *raw = await self._snapshot(
+        now_ms, waiting, *raw = await self._snapshot(
             keys=[self._keys.workers, self._keys.queue],
             args=[self._fresh_ms, self._keys.worker_stats_prefix],
         )
-        self.clock.observe(RedisClock.from_time_reply((int(seconds), int(micros))))
+        self.clock.observe(int(now_ms))
         stats = [protocol.decode_as(r, WorkerStats) for r in raw if r]
         return summarize(stats, int(waiting), time.monotonic())
