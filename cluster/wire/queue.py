@@ -49,7 +49,7 @@ Redis's own clock (``TIME``), so processes on machines with skewed clocks agree.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -340,21 +340,29 @@ return out
 _ACK = _script(
     _COMMON_KEYS,
     """
--- ARGV: 2 id, 3 worker, 4 tokens generated. Returns 1, or 0 when the lease is not ours.
-local id = ARGV[2]
-if redis.call('HGET', OWNERS, id) ~= ARGV[3] then return 0 end
-local f = info(id)
-if f then
-  add(RUNNING, f.tenant, -1)
-  charge(f, tonumber(ARGV[4]))
+-- ARGV: 2 worker, then (id, tokens generated) pairs. Returns one 1 per pair, or 0 where
+-- the lease is not ours (that job is left as it is).
+local me, done = ARGV[2], {}
+for j = 3, #ARGV, 2 do
+  local id = ARGV[j]
+  if redis.call('HGET', OWNERS, id) ~= me then
+    done[#done + 1] = 0
+  else
+    local f = info(id)
+    if f then
+      add(RUNNING, f.tenant, -1)
+      charge(f, tonumber(ARGV[j + 1]))
+    end
+    redis.call('ZREM', LEASES, id)
+    redis.call('HDEL', JOBS, id)
+    redis.call('HDEL', OWNERS, id)
+    redis.call('HDEL', INFO, id)
+    redis.call('SREM', BATCH, id)
+    redis.call('ZREM', CANCELLED, id)
+    done[#done + 1] = 1
+  end
 end
-redis.call('ZREM', LEASES, id)
-redis.call('HDEL', JOBS, id)
-redis.call('HDEL', OWNERS, id)
-redis.call('HDEL', INFO, id)
-redis.call('SREM', BATCH, id)
-redis.call('ZREM', CANCELLED, id)
-return 1
+return done
 """,
     frees=True,
 )
@@ -808,11 +816,19 @@ class JobQueue:
     async def ack(self, job_id: str, worker_id: str, completion_tokens: int = 0) -> bool:
         """Finish a job: drop its body and lease, and charge its tenant the tokens it
         generated. False if the lease was no longer ours."""
-        done = await self._ack(
-            keys=self._common,
-            args=[self._keys.tenant_queue_prefix, job_id, worker_id, completion_tokens],
-        )
-        return bool(done)
+        return (await self.ack_many(worker_id, [(job_id, completion_tokens)]))[0]
+
+    async def ack_many(self, worker_id: str, finished: Sequence[tuple[str, int]]) -> list[bool]:
+        """:meth:`ack` for several jobs in one script call: ``finished`` holds (job id,
+        tokens generated) pairs. One bool per pair, in order: False where the lease was no
+        longer ours."""
+        if not finished:
+            return []
+        args: list[str | int] = [self._keys.tenant_queue_prefix, worker_id]
+        for job_id, tokens in finished:
+            args += [job_id, tokens]
+        done = await self._ack(keys=self._common, args=args)
+        return [bool(x) for x in done]
 
     async def renew(self, worker_id: str, job_ids: list[str], lease_ms: int) -> list[str]:
         """Extend our leases; return the ids whose lease is no longer ours."""

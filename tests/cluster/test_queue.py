@@ -338,6 +338,31 @@ async def test_the_reply_tokens_count_at_ack(redis: aioredis.Redis, keys: Keys) 
     assert float(await redis.hget(vtime, "a")) == 510.0
 
 
+async def test_one_ack_call_finishes_several_jobs_each_on_its_own_lease(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys)
+    for i in range(3):
+        await queue.enqueue(job(f"a{i}", i, 1_000 + i, tenant="a", prompt=10))
+    await queue.enqueue(job("b0", 5, 1_000, tenant="b", prompt=10))
+    await queue.claim("w1", 3, lease_ms=10_000)  # a0, b0, a1 by fair share
+    await queue.claim("w2", 1, lease_ms=10_000)  # a2
+    done = await queue.ack_many("w1", [("a0", 100), ("a2", 7), ("b0", 40), ("a0", 1)])
+    # a2's lease is w2's and a0 is already gone by its second pair: both left alone.
+    assert done == [True, False, True, False]
+    assert not await redis.hexists(keys.jobs, "a0")
+    assert not await redis.hexists(keys.jobs, "b0")
+    assert await redis.hexists(keys.jobs, "a1")
+    assert await redis.hexists(keys.jobs, "a2")
+    vtime = keys.virtual_time(PriorityClass.INTERACTIVE)
+    # Each tenant is charged its own job's reply tokens (prompts were charged at claim):
+    # not a2's, whose ack was refused.
+    assert float(await redis.hget(vtime, "a")) == 3 * 10 + 100
+    assert float(await redis.hget(vtime, "b")) == 10 + 40
+    assert (await queue.stats()).claimed == 2
+    assert await queue.ack_many("w1", []) == []
+
+
 async def test_a_tenant_at_its_running_cap_is_passed_over(
     redis: aioredis.Redis, keys: Keys
 ) -> None:

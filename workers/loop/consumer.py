@@ -44,6 +44,7 @@ from cluster.wire.queue import JobQueue, Poison
 from cluster.wire.vocabulary import ErrorCode, PriorityClass
 from workers.engines.base import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
+from workers.loop.acks import AckBatcher
 from workers.loop.config import ConsumerConfig
 from workers.loop.metrics import WorkerMetrics, render_worker_metrics
 from workers.loop.pacing import StartPacer
@@ -92,6 +93,7 @@ class Consumer:
         self._redis: aioredis.Redis | None = None
         self._blocking: aioredis.Redis | None = None
         self._queue: JobQueue | None = None
+        self._acks: AckBatcher | None = None
         self._presence: Presence | None = None
         self._publisher: Publisher | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -144,6 +146,7 @@ class Consumer:
         self._redis = connect(self._url)
         self._blocking = connect(self._url, blocking=True)
         self._queue = JobQueue(self._redis, self._keys, self._config.queue_policy)
+        self._acks = AckBatcher(self._queue, self.worker_id)
         self._presence = Presence(self._redis)
         self._publisher = Publisher(
             self._redis,
@@ -203,6 +206,8 @@ class Consumer:
             for task in list(self._running.values()):
                 task.cancel()
             await asyncio.gather(*self._running.values(), return_exceptions=True)
+        if self._acks is not None:
+            await self._acks.close()
         self._closing.set()
         self._prefilling_changed.set()  # wakes the stats loop to stop
         if self._tasks[1:]:
@@ -288,7 +293,7 @@ class Consumer:
         self._reserve.note(len(self._running) - len(self._batch_running))
 
     async def _run(self, job: Job, claimed_ms: int) -> None:
-        assert self._publisher is not None and self._queue is not None
+        assert self._publisher is not None and self._acks is not None
         structlog.contextvars.bind_contextvars(request_id=job.id, tenant=job.tenant)
         stream = RequestStream(
             job=job,
@@ -376,7 +381,7 @@ class Consumer:
             else:
                 await asyncio.wait_for(stream.done.wait(), timeout=30.0)
                 generated = stream.completion_tokens - len(job.resume_token_ids)
-                await self._queue.ack(job.id, self.worker_id, generated)
+                await self._acks.ack(job.id, generated)
         except (TimeoutError, RedisError) as exc:
             # The lease will expire and the job is requeued: never silently lost.
             log.warning("could not finish job", error=str(exc))
