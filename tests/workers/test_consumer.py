@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
@@ -18,6 +19,7 @@ from tests.polling import Signal, eventually
 from workers.engines.base import EngineOutput
 from workers.loop.config import ConsumerConfig
 from workers.loop.consumer import Consumer
+from workers.loop.metrics import render_worker_metrics
 
 
 def now_ms() -> int:
@@ -235,6 +237,39 @@ async def test_a_lost_lease_abandons_the_job_silently(
     # The new owner continues the reply from the log: no error, no final chunk from here.
     assert all(c.error_code is None and not c.is_final for c in inbox.chunks["taken"])
     assert await redis.hget(keys.owners, "taken") == b"someone-else"
+
+
+async def test_an_ack_refused_after_the_final_publish_is_logged_and_counted(
+    redis: aioredis.Redis, keys: Keys, consumer: Consumer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another worker takes the lease between the final publish and the ack: the reply
+    stands (the new owner's recovery finds its final chunk), and the refusal is visible."""
+    assert consumer._queue is not None
+    ack_many = consumer._queue.ack_many
+
+    async def taken_first(worker_id: str, finished: list[tuple[str, int]]) -> list[bool]:
+        for job_id, _ in finished:
+            await redis.hset(keys.owners, job_id, "someone-else")
+        return await ack_many(worker_id, finished)
+
+    monkeypatch.setattr(consumer._queue, "ack_many", taken_first)
+    queue = JobQueue(redis, keys)
+    with capture_logs() as logs:
+        async with Inbox(redis, keys.inbox("g1")) as inbox:
+            await queue.enqueue(make_job("late", inbox.channel, max_tokens=2))
+            chunks = await inbox.final("late")
+
+            async def refused_logged() -> bool:
+                return any(e["event"].startswith("ack refused") for e in logs)
+
+            await eventually(refused_logged)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].error_code is None
+    refused = [e for e in logs if e["event"].startswith("ack refused")]
+    assert refused[0]["log_level"] == "warning" and refused[0]["request_id"] == "late"
+    exposition = render_worker_metrics(consumer.metrics, include_vllm=False)
+    assert "charserve_worker_leases_lost_total 1.0" in exposition
+    # The job is still the other worker's to finish, not dropped here.
+    assert await redis.hget(keys.owners, "late") == b"someone-else"
 
 
 async def test_engine_failure_ends_the_job_not_the_worker(

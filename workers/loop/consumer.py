@@ -381,7 +381,11 @@ class Consumer:
             else:
                 await asyncio.wait_for(stream.done.wait(), timeout=30.0)
                 generated = stream.completion_tokens - len(job.resume_token_ids)
-                await self._acks.ack(job.id, generated)
+                if not await self._acks.ack(job.id, generated):
+                    # Between the final publish and the ack another worker took the
+                    # lease: its recovery finds the final chunk in the log and ends there.
+                    self.metrics.lease_lost()
+                    log.warning("ack refused: the lease is no longer ours", request_id=job.id)
         except (TimeoutError, RedisError) as exc:
             # The lease will expire and the job is requeued: never silently lost.
             log.warning("could not finish job", error=str(exc))

@@ -35,7 +35,7 @@ class WorkerMetrics:
         )
         self._lost = Counter(
             "charserve_worker_leases_lost",
-            "This worker's own leases found expired or taken at renewal.",
+            "This worker's own leases found expired or taken: at renewal, publish or ack.",
             registry=r,
         )
         self._requeues = Counter(
@@ -77,7 +77,7 @@ class WorkerMetrics:
         self._expiries.inc(n)
 
     def lease_lost(self, n: int = 1) -> None:
-        """Count this worker's own leases lost at renewal."""
+        """Count this worker's own leases found lost (at renewal, publish or ack)."""
         self._lost.inc(n)
 
     def recovered(self, outcome: str, *, handback: bool = False) -> None:
