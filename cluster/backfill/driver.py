@@ -80,6 +80,7 @@ from cluster.backfill.plan import (
     request_seed,
 )
 from cluster.backfill.progress import Progress
+from cluster.wire.retry import hinted_retry_s
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 
@@ -227,9 +228,9 @@ class Gateway:
                     return resp
                 if _error_code(resp) == "tokens_exceed_limit":
                     return resp  # this request can never fit the tenant's limit
-                hinted = resp.headers.get("retry-after", "")
-                if hinted.isdigit():
-                    delay_s = float(hinted)
+                hinted = hinted_retry_s(resp.headers)
+                if hinted is not None:
+                    delay_s = hinted
             await asyncio.sleep(min(delay_s, 30.0) * (1 + random.random() * 0.2))
             delay_s = min(delay_s * 2, 30.0)
         raise AssertionError("unreachable")

@@ -48,6 +48,7 @@ from redis.exceptions import RedisError
 from cluster.runtime.clock import RedisClock
 from cluster.runtime.settings import Settings
 from cluster.wire.queue import JobQueue
+from cluster.wire.retry import hinted_retry_s
 from cluster.wire.vocabulary import DropReason, ErrorCode
 from gateway.batches.lines import (
     InputLine,
@@ -86,8 +87,8 @@ _LOCK_MS = 120_000
 
 
 def _retry_after_s(exc: APIError, attempt: int, cap_s: float) -> float:
-    hinted = exc.headers.get("Retry-After") if exc.headers else None
-    base = float(hinted) if hinted and hinted.isdigit() else 2.0 ** min(attempt, 6) * 0.25
+    hinted = hinted_retry_s(exc.headers) if exc.headers else None
+    base = hinted if hinted is not None else 2.0 ** min(attempt, 6) * 0.25
     return min(cap_s, base) * (1.0 + random.random() * 0.2)
 
 

@@ -15,7 +15,6 @@ meet is refused at the door rather than left to expire in the queue.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 
@@ -98,12 +97,12 @@ class Rejection:
 
     reason: DropReason
     message: str
-    retry_after_s: int
+    retry_after_ms: float
     status: int = 429
 
     def error(self) -> APIError:
         """The client-facing error, with ``Retry-After`` and the drop reason."""
-        return refused(self.reason, self.message, self.retry_after_s, self.status)
+        return refused(self.reason, self.message, self.retry_after_ms, self.status)
 
 
 class RefusalLog:
@@ -233,12 +232,12 @@ class Admitter:
     def _queue_bound(self, job: Job, capacity: Capacity) -> Rejection | None:
         if capacity.waiting < self._settings.max_queued:
             return None
-        return Rejection(DropReason.QUEUE_FULL, "the queue is full; try again shortly", 1)
+        return Rejection(DropReason.QUEUE_FULL, "the queue is full; try again shortly", 1000)
 
     def _workers_present(self, job: Job, capacity: Capacity) -> Rejection | None:
         if capacity.workers > 0 or job.priority_class == PriorityClass.BATCH:
             return None  # batch work may wait for workers to come back
-        return Rejection(DropReason.NO_WORKERS, "no worker is serving right now", 5, status=503)
+        return Rejection(DropReason.NO_WORKERS, "no worker is serving right now", 5000, status=503)
 
     async def _budget(self, job: Job, capacity: Capacity, max_running: int) -> Rejection | None:
         budget_ms = job.deadline_ms - job.arrival_ms
@@ -269,5 +268,9 @@ class Admitter:
             DropReason.BUDGET,
             f"the estimated time to first token ({estimate:.0f} ms, {ahead} requests ahead) "
             f"exceeds the latency budget ({budget_ms} ms)",
-            max(1, math.ceil((estimate - budget_ms) / 1000.0)),
+            # Come back when the estimate would fit, as the work ahead will have moved on
+            # by the excess (the openai SDK waits exactly this, from ``retry-after-ms``),
+            # but not before the next capacity snapshot, which a sooner retry would find
+            # unchanged.
+            max(estimate - budget_ms, self._view.refresh_ms),
         )

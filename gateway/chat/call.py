@@ -256,7 +256,7 @@ class ChatCall:
         elif result.status in _REFUSALS:
             reason, message = _REFUSALS[result.status]
             self._metrics.rejected(self.job.priority_class, reason)
-            raise refused(reason, message, 1)
+            raise refused(reason, message, 1000)
         return result
 
     def _note(self, chunk: Chunk) -> None:

@@ -102,6 +102,7 @@ class CapacityView:
         self._snapshot = redis.register_script(_SNAPSHOT)
         self.clock = clock or RedisClock()
         self._fresh_ms = 3 * heartbeat_ms
+        self.refresh_ms = refresh_ms
         self._refresh_s = refresh_ms / 1000.0
         self.current = Capacity()
         self._stop = asyncio.Event()

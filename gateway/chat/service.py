@@ -548,7 +548,7 @@ class ChatService:
                 DropReason.TENANT_QUEUE_FULL,
                 f"this tenant has {limits.max_streams} replies open on this gateway, as many "
                 "as its limits allow",
-                1,
+                1000,
             )
 
     async def _persona_turn(

@@ -14,6 +14,7 @@ import ipaddress
 import time
 
 from cluster.errors import ConfigError
+from cluster.wire.retry import retry_headers
 from cluster.wire.tenants import (
     DEFAULT_TENANT,
     ApiKeys,
@@ -125,7 +126,7 @@ class Authenticator:
                 code="tokens_exceed_limit",
                 headers=headers,
             )
-        headers["Retry-After"] = str(max(1, -(-decision.wait_ms // 1000)))
+        headers.update(retry_headers(decision.wait_ms))
         raise TooManyRequests(
             f"Rate limit reached for tenant {tenant}: {limits.rpm or 'unlimited'} requests and "
             f"{limits.tpm or 'unlimited'} tokens per minute. Retry after "

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 
 from cluster.errors import CharserveError
+from cluster.wire.retry import retry_headers
 from cluster.wire.vocabulary import DropReason, ErrorCode
 
 ErrorType = Literal[
@@ -171,9 +172,10 @@ def model_not_found(model: str, why: str = "") -> NotFound:
     )
 
 
-def refused(reason: DropReason, message: str, retry_after_s: int, status: int = 429) -> APIError:
-    """A refusal at the door: 429 (or 503), ``Retry-After`` and the drop reason."""
-    headers = {"Retry-After": str(retry_after_s), "X-Charserve-Drop-Reason": reason.value}
+def refused(reason: DropReason, message: str, retry_after_ms: float, status: int = 429) -> APIError:
+    """A refusal at the door: 429 (or 503), the drop reason, and when to come back
+    (``Retry-After`` in seconds and ``retry-after-ms``, see :mod:`cluster.wire.retry`)."""
+    headers = {**retry_headers(retry_after_ms), "X-Charserve-Drop-Reason": reason.value}
     if status == 503:
         return ServiceUnavailable(message, code=reason.value, headers=headers)
     return TooManyRequests(message, code=reason.value, headers=headers)
@@ -186,7 +188,7 @@ def from_worker(code: str | None, message: str | None) -> APIError:
     if code == ErrorCode.INVALID_REQUEST:
         return BadRequest(text)
     if code == ErrorCode.EXPIRED:
-        return refused(DropReason.EXPIRED, text, 1)
+        return refused(DropReason.EXPIRED, text, 1000)
     if code in (ErrorCode.LOST, ErrorCode.CANCELLED):
         return ServiceUnavailable(text, code=code, headers={"Retry-After": "1"})
     return APIError(text, code=code or ErrorCode.INTERNAL)

@@ -40,6 +40,10 @@ _RETRY_AFTER = {
     "description": "Seconds to wait before retrying.",
     "schema": _INT,
 }
+_RETRY_AFTER_MS = {
+    "description": "Milliseconds to wait before retrying (read first by the openai SDK).",
+    "schema": _INT,
+}
 _DROP_REASON = {
     "description": "Why the request was refused at the door.",
     "schema": {
@@ -64,13 +68,21 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     413: ("The request body is over the configured bound.", {}),
     429: (
         "Refused: over the latency budget, queue full, rate limited, or expired.",
-        {"Retry-After": _RETRY_AFTER, "X-Charserve-Drop-Reason": _DROP_REASON}
+        {
+            "Retry-After": _RETRY_AFTER,
+            "retry-after-ms": _RETRY_AFTER_MS,
+            "X-Charserve-Drop-Reason": _DROP_REASON,
+        }
         | _RATE_LIMIT_HEADERS,
     ),
     500: ("Internal error.", {}),
     503: (
         "No worker, or a dependency (Redis) is unavailable.",
-        {"Retry-After": _RETRY_AFTER, "X-Charserve-Drop-Reason": _DROP_REASON},
+        {
+            "Retry-After": _RETRY_AFTER,
+            "retry-after-ms": _RETRY_AFTER_MS,
+            "X-Charserve-Drop-Reason": _DROP_REASON,
+        },
     ),
     504: ("No reply from any worker in time.", {}),
 }

@@ -231,7 +231,7 @@ class Readers:
             raise refused(
                 DropReason.TENANT_QUEUE_FULL if self._open < self._max else DropReason.QUEUE_FULL,
                 "too many replies are being read from their logs at once; try again shortly",
-                1,
+                1000,
             )
         self._open += 1
         self._by_tenant[tenant] = own + 1

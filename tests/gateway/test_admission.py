@@ -25,6 +25,7 @@ from gateway.chat.admission import (
     estimate_ttft_ms,
 )
 from gateway.chat.capacity import Capacity, CapacityView, summarize
+from gateway.http.errors import APIError
 from tests.gateway.conftest import gateway_settings, serve_gateway
 from tests.polling import eventually
 
@@ -172,9 +173,10 @@ async def test_infeasible_budget_is_refused_at_once(
         )
     assert resp.status_code == 429
     assert resp.headers["x-charserve-drop-reason"] == "budget"
-    assert int(resp.headers["retry-after"]) >= 1
     error = resp.json()["error"]
     assert error["code"] == "budget" and "6 requests ahead" in error["message"]
+    # Asked to come back when the estimate (7 to finish at 2/s, then 100 ms) fits 1.5 s.
+    assert resp.headers["retry-after-ms"] == "2100" and resp.headers["retry-after"] == "3"
     assert await redis.zcard(keys.queue) == 6  # nothing was queued
 
 
@@ -266,6 +268,7 @@ class _View:
 
     def __init__(self, capacity: Capacity) -> None:
         self.current = capacity
+        self.refresh_ms = 100
 
 
 class _Queue:
@@ -293,12 +296,38 @@ async def test_free_slots_come_from_the_live_leases_not_a_stale_heartbeat(
         await refusing.admit(job)  # 20 to finish at 6/s: 3.4 s
 
 
+@pytest.mark.parametrize(
+    ("completed_per_s", "prefill_ms", "wait_ms", "retry_after"),
+    # 20 to finish at 6/s plus 100 ms: 3,433.3 ms; at 10/s plus 50 ms: 2,050, floored.
+    [(6.0, 100.0, 1_434, "2"), (10.0, 50.0, 100, "1")],
+)
+async def test_a_budget_refusal_asks_for_the_wait_until_the_estimate_fits(
+    redis_url: str,
+    model_path: str,
+    completed_per_s: float,
+    prefill_ms: float,
+    wait_ms: int,
+    retry_after: str,
+) -> None:
+    """``retry-after-ms`` is the estimate's excess over the budget (what the openai SDK
+    waits), never sooner than the next capacity snapshot; ``Retry-After`` rounds it up."""
+    capacity = Capacity(workers=1, slots=32, completed_per_s=completed_per_s, prefill_ms=prefill_ms)
+    full = Position(ahead=19, own_ahead=19, tenants=1, claimed=32)
+    settings = gateway_settings(redis_url, model_path)
+    admitter = Admitter(settings, _Queue(full), _View(capacity))  # type: ignore[arg-type]
+    with pytest.raises(APIError) as refused:
+        await admitter.admit(_job(prompt_tokens=50, max_tokens=64))  # 20 to finish, 2 s budget
+    assert refused.value.status == 429 and refused.value.headers is not None
+    assert refused.value.headers["retry-after-ms"] == str(wait_ms)
+    assert refused.value.headers["Retry-After"] == retry_after
+
+
 def test_refusals_are_logged_a_line_a_second_per_reason() -> None:
     """A flood of refusals is one log line per reason and period, counting the rest,
     with the capacity each decision read (the estimate's inputs)."""
     job = _job(prompt_tokens=9, max_tokens=4)
-    budget = Rejection(DropReason.BUDGET, "the estimated time to first token ...", 1)
-    full = Rejection(DropReason.QUEUE_FULL, "the queue is full", 1)
+    budget = Rejection(DropReason.BUDGET, "the estimated time to first token ...", 1000)
+    full = Rejection(DropReason.QUEUE_FULL, "the queue is full", 1000)
     capacity = Capacity(workers=1, free_slots=3, prefill_ms=250.0)
     refusals = RefusalLog(every_s=0.2)
     with capture_logs() as logs:
