@@ -16,7 +16,8 @@ Layout (names in :mod:`cluster.wire.keys`):
 - ``leases``: claimed ids, score = lease expiry in Redis time; ``owners``: id -> worker.
 - ``batch``: the batch-class ids among waiting and claimed jobs (a worker caps how many it
   runs: headroom for interactive work).
-- ``wake``: a short list idle workers ``BLPOP``, one token per enqueue.
+- ``wake``: a short list idle workers ``BLPOP``, one token per enqueue; a claim that
+  leaves nothing waiting clears the lists its worker blocks on (their tokens are stale).
 - ``cancelled``: cancelled ids with the time their record expires: a cancel is honoured
   when the job is claimed, reclaimed or requeued, whenever it arrived.
 - ``dead``: the dead-letter list, capped by count and by bytes.
@@ -248,6 +249,7 @@ return {'queued', id}
 _CLAIM = _script(
     _COMMON_KEYS,
     """
+-- KEYS[18..] the wake lists this worker blocks on (shared, its own, its adapters').
 -- ARGV: 2 worker, 3 want, 4 lease_ms, 5 batch room, 6 the gateway-alive key prefix,
 -- 7.. the LoRA adapters this worker serves. Returns {now, id, body, id, body, ...}.
 local worker, want = ARGV[2], tonumber(ARGV[3])
@@ -331,6 +333,12 @@ for _, head in ipairs(redis.call('ZRANGE', QUEUE, 0, want + 63)) do
       exhausted[hf.class] = true
     end
   end
+end
+-- Nothing left waiting: every wake token is stale (an enqueue pushes a fresh one), and
+-- each would only send this worker round an empty claim again (a group of 31 enqueues
+-- left about 30 of them).
+if redis.call('ZCARD', QUEUE) == 0 then
+  for i = 18, #KEYS do redis.call('DEL', KEYS[i]) end
 end
 return out
 """,
@@ -740,8 +748,10 @@ class JobQueue:
         if max_jobs <= 0:
             return Claimed(0, [])
         room = max_jobs if batch_room is None else max(0, batch_room)
+        k = self._keys
+        wake = [k.wake, k.wake_for(worker_id), *(k.wake_for_adapter(a) for a in sorted(adapters))]
         reply = await self._claim(
-            keys=self._common,
+            keys=[*self._common, *wake],
             args=[
                 self._keys.tenant_queue_prefix,
                 worker_id,

@@ -169,6 +169,31 @@ async def test_idle_worker_wakes_on_enqueue(
         await blocking.aclose()
 
 
+async def test_a_claim_that_empties_the_queue_clears_its_stale_wake_tokens(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """A group's enqueues leave one token each; once one claim has taken them all, the
+    tokens would only send the worker round empty claims, so they go. Tokens stay while
+    anything waits (here a job preferring another worker)."""
+    queue = JobQueue(redis, keys)
+    for i in range(5):
+        await queue.enqueue(job(f"g{i}", i, 100 + i))
+    await queue.enqueue(job("theirs", 9, 200), prefer="w2", prefer_ms=60_000)
+    assert await redis.llen(keys.wake) == 5 and await redis.llen(keys.wake_for("w2")) == 1
+    assert await ids(queue, "w1", 10) == [f"g{i}" for i in range(5)]
+    assert await redis.llen(keys.wake) == 5  # "theirs" still waits
+    assert await ids(queue, "w2", 10) == ["theirs"]
+    assert not await redis.exists(keys.wake, keys.wake_for("w2"))
+    # A worker blocking now waits for the next enqueue, not a stale token.
+    blocking = connect(redis_url, blocking=True)
+    try:
+        assert await queue.wait_for_work(blocking, timeout_s=0.05, worker_id="w1") is False
+        await queue.enqueue(job("next", 20, 300))
+        assert await queue.wait_for_work(blocking, timeout_s=1.0, worker_id="w1") is True
+    finally:
+        await blocking.aclose()
+
+
 def batch_job(
     job_id: str, arrival_ms: int, budget_ms: int = 86_400_000, tenant: str = "default"
 ) -> Job:
