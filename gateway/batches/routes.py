@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from redis.exceptions import RedisError
 
 from cluster.runtime.settings import Settings
+from cluster.wire.retry import retry_headers
 from gateway.batches.objects import COMPLETION_WINDOW, ENDPOINTS
 from gateway.batches.schemas import (
     FILE_CONTENT_RESPONSES,
@@ -64,7 +65,7 @@ def _store_errors() -> Iterator[None]:
         yield
     except RedisError as exc:
         raise ServiceUnavailable(
-            "the batch store is unavailable", headers={"Retry-After": "1"}
+            "the batch store is unavailable", headers=retry_headers(1000)
         ) from exc
 
 

@@ -47,6 +47,7 @@ from cluster.runtime.clock import RedisClock
 from cluster.runtime.tracing import Trace
 from cluster.wire.protocol import Chunk, Job
 from cluster.wire.queue import Enqueued, JobQueue, Share
+from cluster.wire.retry import retry_headers
 from cluster.wire.vocabulary import DropReason, ErrorCode, Outcome
 from gateway.http.errors import (
     APIError,
@@ -118,7 +119,7 @@ def queue_unavailable(exc: RedisError | None = None) -> APIError:
     """Redis did not answer (or is full): the client should retry (nothing was queued)."""
     if isinstance(exc, OutOfMemoryError):
         return redis_unavailable(exc)
-    return ServiceUnavailable("the queue is unavailable", headers={"Retry-After": "1"})
+    return ServiceUnavailable("the queue is unavailable", headers=retry_headers(1000))
 
 
 class Canceller:

@@ -190,5 +190,5 @@ def from_worker(code: str | None, message: str | None) -> APIError:
     if code == ErrorCode.EXPIRED:
         return refused(DropReason.EXPIRED, text, 1000)
     if code in (ErrorCode.LOST, ErrorCode.CANCELLED):
-        return ServiceUnavailable(text, code=code, headers={"Retry-After": "1"})
+        return ServiceUnavailable(text, code=code, headers=retry_headers(1000))
     return APIError(text, code=code or ErrorCode.INTERNAL)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.wire.retry import retry_headers
 from gateway.http.context import request_id
 from gateway.http.errors import APIError, BadRequest, ServiceUnavailable, error_response
 
@@ -63,10 +64,10 @@ def redis_unavailable(exc: RedisError) -> APIError:
         return ServiceUnavailable(
             "the service's storage is full; try again later",
             code="storage_full",
-            headers={"Retry-After": "5"},
+            headers=retry_headers(5000),
         )
     log.warning("redis unavailable", error=str(exc))
-    return ServiceUnavailable("a dependency (Redis) is unavailable", headers={"Retry-After": "1"})
+    return ServiceUnavailable("a dependency (Redis) is unavailable", headers=retry_headers(1000))
 
 
 def install_error_handlers(app: FastAPI) -> None:

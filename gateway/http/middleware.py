@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.runtime.tracing import incoming_trace
+from cluster.wire.retry import retry_headers
 from gateway.http.auth import Authenticator, needs_key
 from gateway.http.context import new_request_id
 from gateway.http.errors import (
@@ -82,9 +83,7 @@ class EdgeMiddleware:
             return
         except RedisError as exc:
             log.warning("auth unavailable", error=str(exc), request_id=request_id)
-            error = ServiceUnavailable(
-                "authentication is unavailable", headers={"Retry-After": "1"}
-            )
+            error = ServiceUnavailable("authentication is unavailable", headers=retry_headers(1000))
             await _refuse(error, request_id, scope, receive, send_with_id)
             return
         parent = headers.get(b"traceparent") if self.trace_context else None
