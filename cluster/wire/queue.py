@@ -251,13 +251,14 @@ _CLAIM = _script(
     """
 -- KEYS[18..] the wake lists this worker blocks on (shared, its own, its adapters').
 -- ARGV: 2 worker, 3 want, 4 lease_ms, 5 batch room, 6 the gateway-alive key prefix,
--- 7.. the LoRA adapters this worker serves. Returns {now, id, body, id, body, ...}.
+-- 7.. the LoRA adapters this worker serves. Returns {now, drained, id, body, id, body,
+-- ...}: drained is 1 when nothing is left waiting after this claim.
 local worker, want = ARGV[2], tonumber(ARGV[3])
 local serves = {}
 for i = 7, #ARGV do serves[ARGV[i]] = true end
 local expiry = now + tonumber(ARGV[4])
 local batch_room = tonumber(ARGV[5])
-local out = {now}
+local out = {now, 0}
 local taken = 0
 
 local function mine(id)
@@ -339,6 +340,7 @@ end
 -- left about 30 of them).
 if redis.call('ZCARD', QUEUE) == 0 then
   for i = 18, #KEYS do redis.call('DEL', KEYS[i]) end
+  out[2] = 1
 end
 return out
 """,
@@ -573,6 +575,9 @@ class Claimed:
 
     now_ms: int
     jobs: list[Job | Poison]
+    #: Nothing was left waiting after the claim: another claim would find nothing until
+    #: an enqueue, whose wake token the worker can block on instead.
+    drained: bool = False
 
 
 def _text(value: bytes | str) -> str:
@@ -762,7 +767,7 @@ class JobQueue:
                 *sorted(adapters),
             ],
         )
-        return Claimed(int(reply[0]), _decode_pairs(reply[1:]))
+        return Claimed(int(reply[0]), _decode_pairs(reply[2:]), drained=bool(int(reply[1])))
 
     async def reclaim_expired(
         self, worker_id: str, lease_ms: int, limit: int = 100

@@ -173,16 +173,19 @@ async def test_a_claim_that_empties_the_queue_clears_its_stale_wake_tokens(
     redis_url: str, redis: aioredis.Redis, keys: Keys
 ) -> None:
     """A group's enqueues leave one token each; once one claim has taken them all, the
-    tokens would only send the worker round empty claims, so they go. Tokens stay while
-    anything waits (here a job preferring another worker)."""
+    tokens would only send the worker round empty claims, so they go, and the claim says
+    the queue is drained. Tokens stay while anything waits (here a job preferring another
+    worker)."""
     queue = JobQueue(redis, keys)
     for i in range(5):
         await queue.enqueue(job(f"g{i}", i, 100 + i))
     await queue.enqueue(job("theirs", 9, 200), prefer="w2", prefer_ms=60_000)
     assert await redis.llen(keys.wake) == 5 and await redis.llen(keys.wake_for("w2")) == 1
-    assert await ids(queue, "w1", 10) == [f"g{i}" for i in range(5)]
-    assert await redis.llen(keys.wake) == 5  # "theirs" still waits
-    assert await ids(queue, "w2", 10) == ["theirs"]
+    first = await queue.claim("w1", 10, 60_000)
+    assert [j.id for j in first.jobs] == [f"g{i}" for i in range(5)]
+    assert not first.drained and await redis.llen(keys.wake) == 5  # "theirs" still waits
+    last = await queue.claim("w2", 10, 60_000)
+    assert [j.id for j in last.jobs] == ["theirs"] and last.drained
     assert not await redis.exists(keys.wake, keys.wake_for("w2"))
     # A worker blocking now waits for the next enqueue, not a stale token.
     blocking = connect(redis_url, blocking=True)

@@ -195,6 +195,44 @@ async def test_a_claimed_job_reaches_the_engine_before_the_next_claim(
     assert events[claimed + 1] == "start r1", events
 
 
+async def test_a_claim_that_drains_the_queue_blocks_without_claiming_again(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """A claim that leaves nothing waiting is followed by a block on the wake lists, not
+    by a claim that could only come back empty; the next enqueue's token wakes it."""
+    events: list[str] = []
+    consumer = Consumer(
+        redis_url, keys, FakeEngine(max_slots=2), ConsumerConfig(lease_ms=5000, heartbeat_ms=100)
+    )
+    await consumer.start()
+    try:
+        assert consumer._queue is not None
+        claim, wait_for_work = consumer._queue.claim, consumer._queue.wait_for_work
+
+        async def recording_claim(*args: object, **kwargs: object) -> Claimed:
+            claimed = await claim(*args, **kwargs)  # type: ignore[arg-type]
+            events.append(" ".join(["claim", *(j.id for j in claimed.jobs)]))
+            return claimed
+
+        async def recording_wait(*args: object, **kwargs: object) -> bool:
+            events.append("wait")
+            return await wait_for_work(*args, **kwargs)  # type: ignore[arg-type]
+
+        consumer._queue.claim = recording_claim  # type: ignore[method-assign]
+        consumer._queue.wait_for_work = recording_wait  # type: ignore[method-assign]
+        queue = JobQueue(redis, keys)
+        async with Inbox(redis, keys.inbox("g1")) as inbox:
+            await queue.enqueue(make_job("r1", inbox.channel))
+            await inbox.final("r1")
+            await queue.enqueue(make_job("r2", inbox.channel))
+            await inbox.final("r2")
+    finally:
+        await consumer.close()
+    for job_id in ("r1", "r2"):
+        took = events.index(f"claim {job_id}")
+        assert events[took + 1] == "wait", events
+
+
 async def test_expired_job_is_dropped_with_a_clear_error(
     redis: aioredis.Redis, keys: Keys, engine: FakeEngine, consumer: Consumer
 ) -> None:
