@@ -252,9 +252,6 @@ class Consumer:
                     self.worker_id, free, self._config.lease_ms, batch_room, self._engine.adapters
                 )
                 self._clock.observe(claimed.now_ms)
-                if not claimed.jobs:
-                    await self._wait_for_work()
-                    continue
             except RedisError as exc:
                 log.warning("claim failed", error=str(exc))
                 await asyncio.sleep(0.5)
@@ -274,31 +271,27 @@ class Consumer:
                 if self._early_cancels.pop(job.id, None) is not None:
                     # Its cancel arrived before the claim's reply did.
                     task.cancel()
-            self._note_demand()
-            # Let each new job's task hand its job to the engine before the next claim's
-            # script is packed and sent: that work sat in front of the job's first step
-            # (at one stream, about half a millisecond of its TTFT).
-            await asyncio.sleep(0)
-            if claimed.drained:
-                # Nothing is left waiting: the next claim would come back empty (a round
-                # trip per burst's end, about one claim in four), so block on the wake
-                # lists at once; an enqueue after the claim left its token there.
-                try:
-                    await self._wait_for_work()
-                except RedisError as exc:
-                    log.warning("wait for work failed", error=str(exc))
-                    await asyncio.sleep(0.5)
-
-    async def _wait_for_work(self) -> None:
-        """Block until an enqueue wakes this worker, or paced batch work may start again."""
-        assert self._queue is not None and self._blocking is not None
-        wait_s = self._pacer.wait_s() or 1.0
-        await self._queue.wait_for_work(
-            self._blocking,
-            timeout_s=min(1.0, wait_s),
-            worker_id=self.worker_id,
-            adapters=self._engine.adapters,
-        )
+            if claimed.jobs:
+                self._note_demand()
+                # Let each new job's task hand its job to the engine before the next
+                # claim's script is packed and sent: that work sat in front of the job's
+                # first step (at one stream, about half a millisecond of its TTFT).
+                await asyncio.sleep(0)
+            if claimed.jobs and not claimed.drained:
+                continue
+            # Nothing this worker may take, or nothing left waiting at all (then another
+            # claim could only come back empty): wake on an enqueue, whose token lands
+            # after the claim, or when paced batch work may start again.
+            try:
+                await self._queue.wait_for_work(
+                    self._blocking,
+                    timeout_s=min(1.0, self._pacer.wait_s() or 1.0),
+                    worker_id=self.worker_id,
+                    adapters=self._engine.adapters,
+                )
+            except RedisError as exc:
+                log.warning("wait for work failed", error=str(exc))
+                await asyncio.sleep(0.5)
 
     def _note_demand(self) -> None:
         """Tell the reserve how many latency-bound jobs run now."""
