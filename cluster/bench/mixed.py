@@ -14,6 +14,12 @@ the slowest one; of 180, the second slowest), beside each round's own ratios. Th
 drifts by a third within minutes, so phases run minutes apart are compared on unlike
 machines; rotating the order spreads that drift over all three.
 
+With ``--step-log DIR`` (the directory the engine under test writes its step log into:
+``CHARSERVE_STEP_LOG=DIR charserve up``) each phase also reports what its chats found the
+engine doing when they were sent (:func:`cluster.bench.steps.step_in_flight`): how long
+until the next step, the first a chat could be in, and how often the step in flight
+carried prompt tokens, which make it longer.
+
 Give it two gateways in front of the same Redis and workers, one with
 ``CHARSERVE_QUEUE_POLICY=edf`` and one with ``fifo``, and the two policies are measured in
 one run, phase by phase, side by side. Interactive requests carry a generous latency budget
@@ -28,8 +34,9 @@ import asyncio
 import json
 import logging
 import random
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +45,22 @@ import httpx
 from cluster.bench.load import USER_PROMPTS, one_request, poisson_stream
 from cluster.bench.samples import Sample, percentile
 from cluster.bench.steal import CpuTimes, StealTotals, read_cpu_times, steal_fields
+from cluster.bench.steps import step_in_flight
+from cluster.runtime.steplog import Step, read_steps
 
 
 @dataclass(slots=True)
 class PhaseRun:
-    """One phase's run against one target: its samples, wall time and CPU readings."""
+    """One phase's run against one target: its samples, wall time and CPU readings, and
+    the engine's steps over it (with ``--step-log``)."""
 
     interactive: list[Sample]
     batch: list[Sample]
     wall_s: float
     before: CpuTimes
     after: CpuTimes
+    start_s: float = 0.0  # time.perf_counter, the step log's monotonic clock
+    steps: list[Step] = field(default_factory=list)
 
 
 async def _phase(
@@ -103,13 +115,16 @@ async def _phase(
             jobs.append(interactive_stream())
         await asyncio.gather(*jobs)
         wall = time.perf_counter() - start
-        return PhaseRun(inter_samples, batch_samples, wall, counters, read_cpu_times())
+        return PhaseRun(
+            inter_samples, batch_samples, wall, counters, read_cpu_times(), start_s=start
+        )
 
 
 def phase_report(runs: list[PhaseRun]) -> dict[str, Any]:
     """One phase's figures over its runs (one per round), their samples pooled: TTFT
     percentiles of every interactive request, batch tokens over the runs' summed wall
-    time, and the CPU steal over the runs' spans."""
+    time, the CPU steal over the runs' spans, and with step logs what the chats found the
+    engine doing (:func:`~cluster.bench.steps.step_in_flight`)."""
     inter = [s for run in runs for s in run.interactive]
     batch = [s for run in runs for s in run.batch]
     ok_inter = [s for s in inter if s.ok]
@@ -130,6 +145,7 @@ def phase_report(runs: list[PhaseRun]) -> dict[str, Any]:
         # Percent of all cores' time (and of each core's) the hypervisor took.
         **steal_fields(steal.percent()),
         "first_error": next((s.error for s in inter + batch if not s.ok), ""),
+        **step_in_flight([(run.steps, [s.start_s for s in run.interactive]) for run in runs]),
     }
 
 
@@ -174,6 +190,10 @@ async def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
             seed = index * len(PHASES) + list(PHASES).index(phase)
             for label, url in targets.items():
                 run = await _phase(url, args, inter, batch, seed)
+                if args.step_log:
+                    run.steps = read_steps(
+                        Path(args.step_log), run.start_s, run.start_s + run.wall_s
+                    )
                 runs[label][phase].append(run)
                 this_round[label][phase] = phase_report([run]) | {"position": position}
         per_round.append(this_round)
@@ -216,12 +236,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="rounds of the three phases, each round's order rotated; samples are pooled",
     )
+    parser.add_argument(
+        "--step-log",
+        default=None,
+        metavar="DIR",
+        help="the engine's step log directory (CHARSERVE_STEP_LOG=DIR charserve up): "
+        "report what each phase's chats found the engine doing",
+    )
     parser.add_argument("--output", default=None, help="write the JSON result here")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``charserve bench-mixed`` and print a table."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.step_log and not Path(args.step_log).is_dir():
+        print(f"--step-log: {args.step_log} is not a directory", file=sys.stderr)
+        return 2
     result = asyncio.run(bench_mixed(args))
     rows = [
         ("interactive_only", "interactive_ttft_p50_ms"),
@@ -236,6 +266,12 @@ def run(args: argparse.Namespace) -> int:
         ("batch_only", "cpu_steal_pct"),
         ("mixed", "cpu_steal_pct"),
     ]
+    if args.step_log:
+        rows += [
+            (phase, metric)
+            for phase in ("interactive_only", "mixed")
+            for metric in ("step_wait_ms_p50", "step_wait_ms_p99", "in_flight_with_prompts_pct")
+        ] + [("mixed", "prompt_step_ms"), ("mixed", "decode_only_step_ms")]
     labels = list(result["results"])
     print(f"{'phase / metric':<44}" + "".join(f"{label:>14}" for label in labels))
     for phase, metric in rows:
@@ -245,6 +281,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{phase + ' ' + metric:<44}{cells}")
     for key, value in result["summary"].items():
         print(f"{key}: {value}")
+    if args.step_log and not any(
+        "step_wait_ms_p50" in phases["mixed"] for phases in result["results"].values()
+    ):
+        print(
+            f"no engine steps in {args.step_log} over the phases: does the engine under "
+            "test log its steps there (CHARSERVE_STEP_LOG)?",
+            file=sys.stderr,
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
     return 0

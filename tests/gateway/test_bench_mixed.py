@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
 import pytest
 
 from cluster.bench.mixed import PHASES, add_arguments, bench_mixed, round_order
+from cluster.runtime.steplog import Step, line
 from tests.gateway.conftest import Gateway
 
 
@@ -68,3 +71,23 @@ async def test_rounds_pool_their_samples_and_report_each_rounds_ratios(
     assert len(summary["rounds"]) == 2
     assert all(set(r) == {"ttft_p99_mixed_over_alone", "batch_throughput_kept"}
                for r in summary["rounds"])  # fmt: skip
+
+
+async def test_with_a_step_log_the_chats_of_each_phase_report_the_step_in_flight(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    # The test gateway's engine logs no steps: write a log over the next minute, steps
+    # 10 ms apart, every other one carrying prompt tokens.
+    now = time.perf_counter()
+    (tmp_path / "steps-1.tsv").write_text(
+        "".join(line(Step(now + i * 0.01, 8 if i % 2 else 72, 0, 0, 8)) for i in range(6000))
+    )
+    result = await bench_mixed(_args(gateway, "--duration", "0.4", "--step-log", str(tmp_path)))
+    phases = result["results"]["edf"]
+    for name in ("interactive_only", "mixed"):
+        phase = phases[name]
+        assert 0.0 <= phase["step_wait_ms_p50"] <= phase["step_wait_ms_p99"] <= 10.0, name
+        assert phase["steps_with_prompts_pct"] == pytest.approx(50.0, abs=2.0), name
+        assert phase["prompt_step_ms"] == pytest.approx(10.0, abs=0.1), name
+    # A phase without chats has no request to place among the steps.
+    assert "step_wait_ms_p50" not in phases["batch_only"]
