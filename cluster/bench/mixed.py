@@ -36,7 +36,7 @@ import logging
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +59,7 @@ class PhaseRun:
     wall_s: float
     before: CpuTimes
     after: CpuTimes
-    start_s: float = 0.0  # time.perf_counter, the step log's monotonic clock
-    steps: list[Step] = field(default_factory=list)
+    steps: list[Step]
 
 
 async def _phase(
@@ -114,10 +113,11 @@ async def _phase(
         if interactive:
             jobs.append(interactive_stream())
         await asyncio.gather(*jobs)
-        wall = time.perf_counter() - start
-        return PhaseRun(
-            inter_samples, batch_samples, wall, counters, read_cpu_times(), start_s=start
-        )
+        end = time.perf_counter()
+        after = read_cpu_times()
+        # The step log's clock is the monotonic one, as perf_counter's.
+        steps = read_steps(Path(args.step_log), start, end) if args.step_log else []
+        return PhaseRun(inter_samples, batch_samples, end - start, counters, after, steps)
 
 
 def phase_report(runs: list[PhaseRun]) -> dict[str, Any]:
@@ -190,10 +190,6 @@ async def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
             seed = index * len(PHASES) + list(PHASES).index(phase)
             for label, url in targets.items():
                 run = await _phase(url, args, inter, batch, seed)
-                if args.step_log:
-                    run.steps = read_steps(
-                        Path(args.step_log), run.start_s, run.start_s + run.wall_s
-                    )
                 runs[label][phase].append(run)
                 this_round[label][phase] = phase_report([run]) | {"position": position}
         per_round.append(this_round)

@@ -43,8 +43,13 @@ def summarise(steps: list[Step]) -> dict[str, float | str]:
         "arrival_steps": len(arrivals),
         "arrivals": " ".join(f"{n}×{k}" for n, k in sorted(sizes.items())),
         "stalled_pct": round(100.0 * stalled / decodes, 2) if decodes else 0.0,
-        "decode_step_ms": round(statistics.median(gaps), 1) if gaps else float("nan"),
+        "decode_step_ms": _median_ms(gaps),
     }
+
+
+def _median_ms(values: list[float]) -> float:
+    """The median of ``values`` (milliseconds) to 0.1 ms; NaN when there are none."""
+    return round(statistics.median(values), 1) if values else float("nan")
 
 
 def carries_prompt(step: Step) -> bool:
@@ -84,10 +89,6 @@ def step_in_flight(windows: list[tuple[list[Step], list[float]]]) -> dict[str, f
             gaps[carries_prompt(a)].append((b.at_s - a.at_s) * 1000.0)
     if not waits:
         return {}
-
-    def median_ms(values: list[float]) -> float:
-        return round(statistics.median(values), 1) if values else float("nan")
-
     return {
         "step_wait_ms_p50": round(percentile(waits, 50) * 1000.0, 1),
         "step_wait_ms_p99": round(percentile(waits, 99) * 1000.0, 1),
@@ -95,6 +96,6 @@ def step_in_flight(windows: list[tuple[list[Step], list[float]]]) -> dict[str, f
         "steps_with_prompts_pct": round(
             100.0 * len(gaps[True]) / (len(gaps[True]) + len(gaps[False])), 1
         ),
-        "prompt_step_ms": median_ms(gaps[True]),
-        "decode_only_step_ms": median_ms(gaps[False]),
+        "prompt_step_ms": _median_ms(gaps[True]),
+        "decode_only_step_ms": _median_ms(gaps[False]),
     }
