@@ -20,8 +20,8 @@ import msgpack
 from cluster.errors import ProtocolError
 from cluster.wire.vocabulary import PriorityClass
 
-VERSION = 7
-_ACCEPTED = frozenset({1, 2, 3, 4, 5, 6, 7})
+VERSION = 8
+_ACCEPTED = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
 
 
 # The roleplay samplers' fields (DRY, XTC, banned strings; docs/api.md#roleplay-samplers):
@@ -193,6 +193,10 @@ class WorkerStats:
     # v7: the chat prompt tokens awaiting their prefill now, at that cost (ms): what a
     # chat claimed now waits for before its own prompt is prefilled.
     prefill_queued_ms: float = 0.0
+    # v8: Redis's time (ms) when the figures that change between beats (running jobs, the
+    # prefills) were taken, which a rewrite between beats moves on and ``ts_ms`` does not:
+    # a gateway counts what it admitted after this as not yet in them (0 from older builds).
+    at_ms: int = 0
 
     @property
     def free_slots(self) -> int:

@@ -16,6 +16,7 @@ meet is refused at the door rather than left to expire in the queue.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 import structlog
@@ -34,6 +35,12 @@ log = structlog.get_logger(__name__)
 # Refusals are logged at most once per this many seconds for each reason, with the
 # count since the last line: a flood of refusals is a line a second, not one each.
 REFUSAL_LOG_EVERY_S = 1.0
+# A job admitted this long before a worker took its figures was claimed by then if a slot
+# was free: the claim follows the enqueue within a few ms, or a busy replica's next turn.
+CLAIM_LAG_MS = 25
+# Admissions older than this leave the count whatever the figures say (a worker whose
+# figures stop moving leaves the snapshot within three beats anyway): a bound, not a rule.
+UNREPORTED_MAX_AGE_MS = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +149,42 @@ class RefusalLog:
         )
 
 
+class RecentAdmissions:
+    """What this gateway admitted that the workers' figures may not show yet.
+
+    Admission reads a snapshot up to a refresh old, of figures a worker rewrites within
+    50 ms of a claim. Judged on those alone, the requests arriving between two snapshots
+    would each be judged as if it came alone: a burst is admitted whole on the figures of
+    an idle cluster, however far past its budget its last request will wait, while the same
+    requests spread over a second are refused from the point the figures show the work.
+    Counted here, each request waits behind the chat prompt tokens admitted before it and
+    finds the slots they took, whatever the arrival pattern. Per gateway: another gateway's
+    admissions show once a worker has claimed them.
+    """
+
+    def __init__(self) -> None:
+        # (Redis's time when admitted, chat prompt tokens): in admission order, which is
+        # the clock's order but for the clock's corrections, so one pass from the front
+        # drops what the figures show.
+        self._entries: deque[tuple[int, int]] = deque()
+        self._tokens = 0
+
+    def add(self, at_ms: int, prompt_tokens: int) -> None:
+        """Count a job admitted at ``at_ms`` whose prefill a chat would wait for
+        (``prompt_tokens``; 0 for batch, whose prefills go after every chat's)."""
+        self._entries.append((at_ms, prompt_tokens))
+        self._tokens += prompt_tokens
+
+    def unreported(self, reported_ms: int, now_ms: int) -> tuple[int, int]:
+        """Jobs and chat prompt tokens admitted since the workers' figures were taken at
+        ``reported_ms`` (less the claim lag), forgetting those admitted before."""
+        cutoff = max(reported_ms - CLAIM_LAG_MS, now_ms - UNREPORTED_MAX_AGE_MS)
+        entries = self._entries
+        while entries and entries[0][0] <= cutoff:
+            self._tokens -= entries.popleft()[1]
+        return len(entries), self._tokens
+
+
 def estimate_ttft_ms(
     capacity: Capacity, ahead: int, prompt_tokens: int = 0, floor_ms: float = 0.0
 ) -> float:
@@ -191,6 +234,7 @@ class Admitter:
         self._view = view
         self._metrics = metrics or GatewayMetrics()
         self._refusals = RefusalLog()
+        self._recent = RecentAdmissions()
 
     @property
     def clock(self) -> RedisClock:
@@ -219,7 +263,8 @@ class Admitter:
     async def admit(self, job: Job, max_running: int = 0) -> None:
         """Admit ``job`` (of a tenant with ``max_running`` as its cap on running jobs, 0:
         none) or raise the client-facing refusal (and count the decision)."""
-        capacity = self._view.current
+        now_ms = self.clock.now_ms()
+        capacity = self._with_recent(self._view.current, now_ms)
         rejection = self._queue_bound(job, capacity) or self._workers_present(job, capacity)
         if rejection is None:
             rejection = await self._budget(job, capacity, max_running)
@@ -228,6 +273,21 @@ class Admitter:
             self._refusals.note(job, rejection, capacity)
             raise rejection.error()
         self._metrics.admitted(job.priority_class)
+        batch = job.priority_class == PriorityClass.BATCH
+        self._recent.add(now_ms, 0 if batch else len(job.prompt_token_ids))
+
+    def _with_recent(self, capacity: Capacity, now_ms: int) -> Capacity:
+        """``capacity`` with what this gateway admitted since the workers' figures: its
+        chats' prompts are prefilled before a new one's, and its jobs hold slots the
+        figures show free. Read for every request, batch too, so the count stays short."""
+        jobs, tokens = self._recent.unreported(capacity.reported_ms, now_ms)
+        if not jobs:
+            return capacity
+        return replace(
+            capacity,
+            free_slots=max(0, capacity.free_slots - jobs),
+            prefill_queued_ms=capacity.prefill_queued_ms + capacity.prefill_ms_per_token * tokens,
+        )
 
     def _queue_bound(self, job: Job, capacity: Capacity) -> Rejection | None:
         if capacity.waiting < self._settings.max_queued:

@@ -64,6 +64,9 @@ class Capacity:
     honours_seed: bool = True
     # The LoRA adapters some live worker has loaded (a request may name one as its model).
     adapters: frozenset[str] = frozenset()
+    # Redis's time (ms) by which every live worker's figures were taken: a job admitted
+    # before it and claimed at once is in them (0: no worker).
+    reported_ms: int = 0
 
 
 def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
@@ -84,6 +87,7 @@ def summarize(stats: list[WorkerStats], waiting: int, now_s: float) -> Capacity:
         free_by_worker={s.worker_id: s.free_slots for s in live},
         honours_seed=all(s.honours_seed for s in live),
         adapters=frozenset(a for s in live for a in s.adapters),
+        reported_ms=min((max(s.at_ms, s.ts_ms) for s in live), default=0),
     )
 
 

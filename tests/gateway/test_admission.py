@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -18,7 +19,10 @@ from cluster.wire.protocol import Job, WorkerStats
 from cluster.wire.queue import JobQueue, Position
 from cluster.wire.vocabulary import DropReason
 from gateway.chat.admission import (
+    CLAIM_LAG_MS,
+    UNREPORTED_MAX_AGE_MS,
     Admitter,
+    RecentAdmissions,
     RefusalLog,
     Rejection,
     capped_wait_ms,
@@ -84,6 +88,27 @@ def test_summary_ignores_draining_workers() -> None:
     cap = summarize(stats, waiting=3, now_s=0.0)
     assert (cap.workers, cap.free_slots, cap.completed_per_s, cap.prefill_ms) == (1, 6, 1.0, 80)
     assert cap.slots == 8
+
+
+def test_the_figures_are_as_recent_as_the_oldest_live_workers() -> None:
+    def stats(worker_id: str, ts_ms: int, at_ms: int) -> WorkerStats:
+        return WorkerStats(worker_id=worker_id, max_slots=8, running=0, ts_ms=ts_ms, at_ms=at_ms)
+
+    # One rewrote its figures at 1,500, one last beat at 1,200 (an older build: no at_ms).
+    cap = summarize([stats("a", 1_000, 1_500), stats("b", 1_200, 0)], waiting=0, now_s=0.0)
+    assert cap.reported_ms == 1_200
+    assert summarize([], waiting=0, now_s=0.0).reported_ms == 0
+
+
+def test_recent_admissions_count_what_the_figures_do_not_show_yet() -> None:
+    recent = RecentAdmissions()
+    for at_ms, tokens in [(1_000, 50), (1_010, 0), (1_040, 200)]:
+        recent.add(at_ms, tokens)
+    # Figures taken at 1,000 cannot show any of them; at 1,035 the first two were claimed.
+    assert recent.unreported(1_000, now_ms=1_050) == (3, 250)
+    assert recent.unreported(1_010 + CLAIM_LAG_MS, now_ms=1_050) == (1, 200)
+    # Figures that stop moving do not keep an admission counted for ever.
+    assert recent.unreported(0, now_ms=1_040 + UNREPORTED_MAX_AGE_MS) == (0, 0)
 
 
 async def _heartbeat(redis: aioredis.Redis, keys: Keys, stats: WorkerStats) -> None:
@@ -269,14 +294,59 @@ class _View:
     def __init__(self, capacity: Capacity) -> None:
         self.current = capacity
         self.refresh_ms = 100
+        self.clock = RedisClock()
 
 
 class _Queue:
     def __init__(self, position: Position) -> None:
         self._position = position
+        self.asked = 0
 
     async def position(self, job: Job) -> Position:
+        self.asked += 1
         return self._position
+
+
+async def _admitted(admitter: Admitter, jobs: int, prompt_tokens: int) -> int:
+    """How many of ``jobs`` requests arriving at once ``admitter`` admits."""
+    admitted = 0
+    for _ in range(jobs):
+        try:
+            await admitter.admit(_job(prompt_tokens=prompt_tokens, max_tokens=64))
+        except APIError:
+            continue
+        admitted += 1
+    return admitted
+
+
+async def test_a_burst_between_two_snapshots_waits_behind_its_own_prompts(
+    redis_url: str, model_path: str
+) -> None:
+    """Requests arriving at once are judged as if they had come one by one, each behind
+    the prompt tokens admitted before it, not each on the idle figures of the snapshot."""
+    settings = gateway_settings(redis_url, model_path)
+    # An idle worker, 200 free slots, 1 ms a prompt token: 2,000 tokens fit a 2 s budget.
+    idle = Capacity(workers=1, free_slots=200, slots=200, prefill_ms=50.0, prefill_ms_per_token=1.0)
+    view = _View(idle)
+    admitter = Admitter(settings, _Queue(Position(0, 0, 1)), view)  # type: ignore[arg-type]
+    assert await _admitted(admitter, jobs=40, prompt_tokens=200) == 2_000 // 200
+    # Once the figures are newer than the admissions, they are the figures' to show.
+    view.current = replace(idle, reported_ms=view.clock.now_ms() + CLAIM_LAG_MS)
+    assert await _admitted(admitter, jobs=1, prompt_tokens=200) == 1
+
+
+async def test_a_burst_takes_the_free_slots_it_was_admitted_to(
+    redis_url: str, model_path: str
+) -> None:
+    """Past the slots the snapshot showed free, a burst asks the queue where it stands."""
+    settings = gateway_settings(redis_url, model_path)
+    free = Capacity(workers=1, free_slots=4, slots=8, completed_per_s=1.0, prefill_ms=50.0)
+    full = _Queue(Position(ahead=6, own_ahead=6, tenants=1, claimed=8))
+    admitter = Admitter(settings, full, _View(free))  # type: ignore[arg-type]
+    assert await _admitted(admitter, jobs=4, prompt_tokens=10) == 4
+    assert full.asked == 0  # four free slots: no need to ask
+    assert await _admitted(admitter, jobs=1, prompt_tokens=10) == 0  # 7 to finish at 1/s
+    assert full.asked == 1
 
 
 async def test_free_slots_come_from_the_live_leases_not_a_stale_heartbeat(

@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from cluster.runtime.clock import RedisClock
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job, WorkerStats
@@ -386,6 +387,7 @@ async def test_a_wave_of_prefills_is_reported_by_its_tokens(
 
             # Two jobs of 100 tokens awaiting their first token: a third waits for theirs.
             engine.release.clear()
+            enqueued_ms = RedisClock.from_time_reply(await redis.time())
             for i in range(2):
                 await queue.enqueue(make_job(f"x{i}", inbox.channel, 1, prompt_len=100))
             await engine.wait_until(lambda: engine.running == 2)
@@ -395,6 +397,9 @@ async def test_a_wave_of_prefills_is_reported_by_its_tokens(
                 return stats.prefill_queued_ms == pytest.approx(200 * per_token)
 
             await eventually(queued)
+            # Figures that show the claims are stamped after them, on Redis's clock (a
+            # gateway counts its admissions since then as not in them).
+            assert (await _reported(redis, keys, c.worker_id)).at_ms >= enqueued_ms
             assert (await _reported(redis, keys, c.worker_id)).prefill_ms < 400 / 3
             engine.release.set()
             for i in range(2):

@@ -568,8 +568,8 @@ class Consumer:
                 log.warning("stats refresh failed", error=str(exc))
 
     def _live(self, stats: WorkerStats, now_s: float) -> WorkerStats:
-        """``stats`` with the figures that change between beats as they are now: the jobs
-        running, draining, and the prefill a request arriving now would see."""
+        """``stats`` with the figures that change between beats as they are now (the jobs
+        running, draining, the prefill a request arriving now would see), and when."""
         prefill = self._prefilling.report(now_s)
         return dataclasses.replace(
             stats,
@@ -578,6 +578,7 @@ class Consumer:
             prefill_ms=prefill.prefill_ms,
             prefill_ms_per_token=prefill.prefill_ms_per_token,
             prefill_queued_ms=prefill.prefill_queued_ms,
+            at_ms=self._clock.now_ms(),
         )
 
     async def _write_stats(self, stats: WorkerStats, ts_ms: int | None) -> int:
