@@ -10,9 +10,10 @@ works alike against vLLM's own server and charserve (no charserve session API). 
 and later find the persona and their own history in the prefix cache: their TTFT is the
 figure of record, reported apart from turn 1's.
 
-Requests carry no priority header (a user of vLLM sends none); charserve's refusals
-(HTTP 429) are counted apart from other errors. Personas are built deterministically from
-``--seed``, so every server and round gets the same text.
+Requests carry no priority header unless ``--priority`` names one (a user of vLLM sends
+none; vLLM's server ignores it); charserve's refusals (HTTP 429) are counted apart from
+other errors. Personas are built deterministically from ``--seed``, so every server and
+round gets the same text.
 
 Run as ``python -m cluster.bench.conversations --base-url URL --output report.json``.
 """
@@ -33,6 +34,7 @@ import httpx
 
 from cluster.bench.load import USER_PROMPTS, one_request
 from cluster.bench.samples import Sample, percentile
+from cluster.wire.vocabulary import PriorityClass
 
 # Characters per token of the persona prose for SmolLM2's tokenizer (measured on the text
 # below: tests/cluster/test_bench_peers.py checks the resulting length).
@@ -115,6 +117,7 @@ async def converse(
     max_tokens: int,
     conversation: int,
     seed: int,
+    headers: dict[str, str] | None = None,
 ) -> list[tuple[int, Sample]]:
     """One conversation: ``turns`` turns in sequence, each sending the whole history plus
     a new user message; a reply joins the history, a failed turn does not."""
@@ -123,7 +126,9 @@ async def converse(
     out = []
     for turn in range(turns):
         message = {"role": "user", "content": user_message(conversation, turn, rng)}
-        sample = await one_request(client, url, model, max_tokens, "", messages=[*history, message])
+        sample = await one_request(
+            client, url, model, max_tokens, "", headers, messages=[*history, message]
+        )
         out.append((turn, sample))
         if sample.ok:
             history += [message, {"role": "assistant", "content": sample.text}]
@@ -139,17 +144,22 @@ async def run_conversations(
     persona_tokens: int,
     max_tokens: int,
     seed: int,
+    priority: str | None = None,
 ) -> tuple[list[tuple[int, Sample]], float, float]:
     """``concurrency`` conversations at once, conversation ``j`` with persona
-    ``j % personas``: (turn, sample) of every turn, and the run's start and end
-    (``time.perf_counter``, the system's monotonic clock)."""
+    ``j % personas`` (each request with ``X-Priority: priority`` when given): (turn,
+    sample) of every turn, and the run's start and end (``time.perf_counter``, the
+    system's monotonic clock)."""
+    headers = {"X-Priority": priority} if priority else None
     systems = [persona_text(i, persona_tokens, seed) for i in range(personas)]
     limits = httpx.Limits(max_connections=max(concurrency, 8))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
             *(
-                converse(client, url, model, systems[j % personas], turns, max_tokens, j, seed)
+                converse(
+                    client, url, model, systems[j % personas], turns, max_tokens, j, seed, headers
+                )
                 for j in range(concurrency)
             )
         )
@@ -206,6 +216,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persona-len", type=int, default=900, help="persona tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--priority",
+        choices=[str(c) for c in PriorityClass],
+        help="send X-Priority with every request (default: none, charserve's interactive)",
+    )
     parser.add_argument("--output", required=True, help="write the JSON report here")
 
 
@@ -225,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             args.persona_len,
             args.max_tokens,
             args.seed,
+            args.priority,
         )
     )
     report = {

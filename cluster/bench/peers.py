@@ -43,6 +43,13 @@ them each run reports the CPU steal over its window (:mod:`cluster.bench.steal`)
 share of the cores' time the hypervisor gave elsewhere, so a run slowed by its neighbours
 is told apart from a slow server.
 
+Requests carry no priority header unless ``--priority`` names one, the same for every
+client and peer (vLLM's server ignores it). Without one, charserve judges them in its
+interactive class, whose 2 s budget refuses what it estimates cannot start in time: a
+closed-loop client that sends its next request at once, rather than after the refusal's
+``Retry-After``, may then spend most of its requests on refusals. ``--priority standard``
+(a 30 s budget) measures the serving path alone.
+
 On this machine vLLM's default ``gpu_memory_utilization`` (0.92 of the CPU's NUMA node)
 is more than is free once vLLM has loaded, and it refuses to start; ``--vllm-memory``
 (0.85) sizes only its KV cache, and is passed to both vLLM peers.
@@ -84,6 +91,7 @@ from cluster.bench.steal import (
 )
 from cluster.runtime.bundled_model import resolve_model
 from cluster.runtime.steplog import STEP_LOG_ENV, read_steps
+from cluster.wire.vocabulary import PriorityClass
 
 log = structlog.get_logger(__name__)
 
@@ -305,6 +313,7 @@ def _vllm_client(
         # Per-request start times and TTFTs: the measured window, and the persona figures.
         "--save-detailed",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        *(["--header", f"X-Priority={args.priority}"] if args.priority else []),
     ]  # fmt: skip
 
 
@@ -323,6 +332,7 @@ def _our_client(
             "--max-tokens", str(args.output_len),
             "--seed", str(concurrency),
             "--output", str(out),
+            *(["--priority", args.priority] if args.priority else []),
         ]  # fmt: skip
     return [
         str(Path(sys.executable).with_name("charserve")), "bench",
@@ -336,6 +346,7 @@ def _our_client(
         # Every gap's time, to place it in the CPU counters' windows (clean_itl).
         "--save-detailed",
         "--output", str(out),
+        *(["--header", f"X-Priority: {args.priority}"] if args.priority else []),
     ]  # fmt: skip
 
 
@@ -1028,6 +1039,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--vllm-memory", type=float, default=0.85)
     parser.add_argument(
+        "--priority",
+        choices=[str(c) for c in PriorityClass],
+        help="X-Priority sent by every client to every peer (vLLM's server ignores it); "
+        "default none: charserve's interactive class, whose 2 s budget refuses what it "
+        "cannot start in time (standard: a 30 s budget, the serving path without refusals)",
+    )
+    parser.add_argument(
         "--together",
         action="store_true",
         help="start every peer once and keep them loaded, each frozen (SIGSTOP) while "
@@ -1069,6 +1087,8 @@ def check(args: argparse.Namespace) -> None:
             )
         if not 0 <= args.pause_s <= 60:
             raise SystemExit("--pause-s: from 0 to 60 seconds")
+    if args.priority and "guidellm" in args.clients:
+        raise SystemExit("--priority: GuideLLM's client here sends no extra header")
     if args.workload != "persona":
         return
     if "guidellm" in args.clients:
@@ -1090,7 +1110,15 @@ def run(args: argparse.Namespace) -> int:
     rows = measure(args)
     text, summary = table(rows, args.workload)
     Path(args.out, "summary.json").write_text(
-        json.dumps({"workload": args.workload, "rows": rows, "summary": summary}, indent=2)
+        json.dumps(
+            {
+                "workload": args.workload,
+                "priority": args.priority,
+                "rows": rows,
+                "summary": summary,
+            },
+            indent=2,
+        )
     )
     print(text)
     return 0

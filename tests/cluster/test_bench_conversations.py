@@ -24,6 +24,9 @@ def test_personas_are_deterministic_distinct_and_about_the_asked_length(model_pa
         assert all(0.93 * tokens <= n <= 1.07 * tokens for n in counts), counts
 
 
+HEADERS = {"X-Priority": "standard"}
+
+
 def _sse(reply: str) -> bytes:
     events = [{"choices": [{"delta": {"content": word}}]} for word in reply.split(" ")] + [
         {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 10}}
@@ -33,17 +36,22 @@ def _sse(reply: str) -> bytes:
 
 async def test_a_turn_sends_the_history_with_real_replies_and_skips_refused_ones() -> None:
     bodies: list[dict[str, object]] = []
+    seen_headers: list[httpx.Headers] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         bodies.append(body)
+        seen_headers.append(request.headers)
         if len(bodies) == 2:
             return httpx.Response(429, json={"error": {"message": "busy"}})
         return httpx.Response(200, content=_sse(f"reply {len(bodies)} ok"))
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-        turns = await converse(client, "http://x", "m", "PERSONA", 3, 3, conversation=4, seed=1)
+        turns = await converse(
+            client, "http://x", "m", "PERSONA", 3, 3, conversation=4, seed=1, headers=HEADERS
+        )
     assert [t for t, _ in turns] == [0, 1, 2]
+    assert [h["x-priority"] for h in seen_headers] == ["standard"] * 3
     assert [s.status for _, s in turns] == [200, 429, 200]
     assert all(b["ignore_eos"] and b["max_tokens"] == 3 for b in bodies)
     assert bodies[0]["stream_options"] == {"include_usage": True}
