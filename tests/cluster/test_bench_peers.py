@@ -363,41 +363,52 @@ def test_our_client_is_the_lean_one_unless_asked_for_httpx(tmp_path: Path) -> No
     assert client_of(["--our-client", "httpx"]) == "httpx"
 
 
-def test_a_priority_reaches_every_client_as_its_own_parser_reads_it(tmp_path: Path) -> None:
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+def _argv_after(cmd: list[str], module: str) -> list[str]:
+    return cmd[cmd.index(module) + 1 :]
 
-    from cluster.bench import conversations, load
 
+def _priority_args(priority: str | None, *more: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    out = tmp_path / "r.json"
+    args = parser.parse_args([*more, *([] if priority is None else ["--priority", priority])])
+    check(args)
+    return args
 
-    def argv(cmd: list[str], module: str) -> list[str]:
-        return cmd[cmd.index(module) + 1 :]
+
+def test_a_priority_reaches_vllms_client_as_its_parser_reads_it(tmp_path: Path) -> None:
+    serve = pytest.importorskip("vllm.benchmarks.serve")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     for priority in (None, "standard"):
-        asked = [] if priority is None else ["--priority", priority]
-        args = parser.parse_args(asked)
-        check(args)
+        args = _priority_args(priority)
         peer = peers(args, "/model")["charserve"]
         vllm_parser = FlexibleArgumentParser()
-        add_cli_args(vllm_parser)
-        cmd = bench_peers._vllm_client(peer, "/model", 32, 128, args, out)
-        headers = vllm_parser.parse_args(argv(cmd, "workers.baselines.vllm_bench")).header
-        assert headers == ([f"X-Priority={priority}"] if priority else None)
+        serve.add_cli_args(vllm_parser)
+        cmd = bench_peers._vllm_client(peer, "/model", 32, 128, args, tmp_path / "r.json")
+        parsed = vllm_parser.parse_args(_argv_after(cmd, "workers.baselines.vllm_bench"))
+        assert parsed.header == ([f"X-Priority={priority}"] if priority else None)
+
+
+def test_a_priority_reaches_our_clients_as_their_parsers_read_it(tmp_path: Path) -> None:
+    from cluster.bench import conversations, load
+
+    out = tmp_path / "r.json"
+    for priority in (None, "standard"):
+        args = _priority_args(priority)
+        peer = peers(args, "/model")["charserve"]
         ours = argparse.ArgumentParser()
         load.add_arguments(ours)
         cmd = _our_client(peer, 32, 128, args, out)
-        header = [h.replace(" ", "") for h in ours.parse_args(argv(cmd, "bench")).header]
+        header = [h.replace(" ", "") for h in ours.parse_args(_argv_after(cmd, "bench")).header]
         assert header == ([f"X-Priority:{priority}"] if priority else [])
-        persona = parser.parse_args(["--workload", "persona", *asked])
         talk = argparse.ArgumentParser()
         conversations.add_arguments(talk)
+        persona = _priority_args(priority, "--workload", "persona")
         cmd = _our_client(peer, 8, 64, persona, out)
-        assert talk.parse_args(argv(cmd, "cluster.bench.conversations")).priority == priority
+        parsed = talk.parse_args(_argv_after(cmd, "cluster.bench.conversations"))
+        assert parsed.priority == priority
     with pytest.raises(SystemExit, match="--priority"):
-        check(parser.parse_args(["--priority", "standard", "--clients", "vllm", "guidellm"]))
+        _priority_args("standard", "--clients", "vllm", "guidellm")
 
 
 def test_the_counters_are_read_every_half_second_when_the_page_is_polled_less_often() -> None:
