@@ -10,7 +10,7 @@ works alike against vLLM's own server and charserve (no charserve session API). 
 and later find the persona and their own history in the prefix cache: their TTFT is the
 figure of record, reported apart from turn 1's.
 
-Requests carry no priority header unless ``--priority`` names one (a user of vLLM sends
+Requests carry no priority header unless a ``--header`` names one (a user of vLLM sends
 none; vLLM's server ignores it); charserve's refusals (HTTP 429) are counted apart from
 other errors. Personas are built deterministically from ``--seed``, so every server and
 round gets the same text.
@@ -32,9 +32,8 @@ from typing import Any
 
 import httpx
 
-from cluster.bench.load import USER_PROMPTS, one_request
+from cluster.bench.load import USER_PROMPTS, add_header_argument, one_request, parse_headers
 from cluster.bench.samples import Sample, percentile
-from cluster.wire.vocabulary import PriorityClass
 
 # Characters per token of the persona prose for SmolLM2's tokenizer (measured on the text
 # below: tests/cluster/test_bench_peers.py checks the resulting length).
@@ -144,13 +143,11 @@ async def run_conversations(
     persona_tokens: int,
     max_tokens: int,
     seed: int,
-    priority: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[tuple[int, Sample]], float, float]:
     """``concurrency`` conversations at once, conversation ``j`` with persona
-    ``j % personas`` (each request with ``X-Priority: priority`` when given): (turn,
-    sample) of every turn, and the run's start and end (``time.perf_counter``, the
-    system's monotonic clock)."""
-    headers = {"X-Priority": priority} if priority else None
+    ``j % personas`` (each request with ``headers``): (turn, sample) of every turn, and
+    the run's start and end (``time.perf_counter``, the system's monotonic clock)."""
     systems = [persona_text(i, persona_tokens, seed) for i in range(personas)]
     limits = httpx.Limits(max_connections=max(concurrency, 8))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -216,11 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persona-len", type=int, default=900, help="persona tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--priority",
-        choices=[str(c) for c in PriorityClass],
-        help="send X-Priority with every request (default: none, charserve's interactive)",
-    )
+    add_header_argument(parser)
     parser.add_argument("--output", required=True, help="write the JSON report here")
 
 
@@ -240,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             args.persona_len,
             args.max_tokens,
             args.seed,
-            args.priority,
+            parse_headers(args.header),
         )
     )
     report = {

@@ -332,8 +332,7 @@ def summarize(
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark; return per-target summaries and ratios."""
     targets = [args.base_url] + ([args.compare] if args.compare else [])
-    headers = dict(h.split(":", 1) for h in args.header)
-    headers = {k.strip(): v.strip() for k, v in headers.items()}
+    headers = parse_headers(args.header)
     extra = extra_body(getattr(args, "extra_body", None))
     for url in targets:  # warm-up, not measured
         if args.warmup:
@@ -411,6 +410,24 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def parse_headers(values: list[str]) -> dict[str, str]:
+    """``--header "Name: value"`` options as a dict (a malformed one exits, naming it)."""
+    headers = {}
+    for value in values:
+        name, sep, text = value.partition(":")
+        if not sep or not name.strip():
+            raise SystemExit(f'--header {value!r}: expected "Name: value"')
+        headers[name.strip()] = text.strip()
+    return headers
+
+
+def add_header_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--header`` option, repeatable, that :func:`parse_headers` reads."""
+    parser.add_argument(
+        "--header", action="append", default=[], help='extra request header, "Name: value"'
+    )
+
+
 def extra_body(text: str | None) -> dict[str, Any]:
     """``--extra-body``: a JSON object whose fields every request's body gets."""
     if not text:
@@ -436,9 +453,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", default=None, help="write the JSON result here")
-    parser.add_argument(
-        "--header", action="append", default=[], help='extra request header, "Name: value"'
-    )
+    add_header_argument(parser)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO")
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO")
     parser.add_argument("--plot", default=None, help="write latency CDFs and throughput PNG")

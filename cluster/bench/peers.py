@@ -317,6 +317,11 @@ def _vllm_client(
     ]  # fmt: skip
 
 
+def _our_headers(args: argparse.Namespace) -> list[str]:
+    """``--priority`` as our clients' ``--header`` option (none without it)."""
+    return ["--header", f"X-Priority: {args.priority}"] if args.priority else []
+
+
 def _our_client(
     peer: Peer, concurrency: int, requests: int, args: argparse.Namespace, out: Path
 ) -> list[str]:
@@ -332,7 +337,7 @@ def _our_client(
             "--max-tokens", str(args.output_len),
             "--seed", str(concurrency),
             "--output", str(out),
-            *(["--priority", args.priority] if args.priority else []),
+            *_our_headers(args),
         ]  # fmt: skip
     return [
         str(Path(sys.executable).with_name("charserve")), "bench",
@@ -346,7 +351,7 @@ def _our_client(
         # Every gap's time, to place it in the CPU counters' windows (clean_itl).
         "--save-detailed",
         "--output", str(out),
-        *(["--header", f"X-Priority: {args.priority}"] if args.priority else []),
+        *_our_headers(args),
     ]  # fmt: skip
 
 

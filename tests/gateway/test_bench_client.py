@@ -7,9 +7,16 @@ import random
 import time
 
 import httpx
+import pytest
 
 from cluster.bench.lean_client import LeanClient
-from cluster.bench.load import one_request, poisson_stream, request_body, run_round_procs
+from cluster.bench.load import (
+    one_request,
+    parse_headers,
+    poisson_stream,
+    request_body,
+    run_round_procs,
+)
 from tests.gateway.conftest import Gateway
 
 MODEL = "smollm2-135m-instruct"
@@ -86,3 +93,13 @@ async def test_a_round_spread_over_processes_keeps_every_sample(gateway: Gateway
     # process (and bench-peers' CPU counters) reads: their gaps can be placed in time.
     assert all(before < s.start_s < after for s in samples)
     assert all(s.ok and s.output_tokens == 4 for s in samples), [s.error for s in samples]
+
+
+def test_header_options_are_name_value_pairs_and_a_malformed_one_is_named() -> None:
+    assert parse_headers(["X-Priority: standard", "X-Latency-Budget-Ms:500"]) == {
+        "X-Priority": "standard",
+        "X-Latency-Budget-Ms": "500",
+    }
+    for bad in ("X-Priority standard", ": standard"):
+        with pytest.raises(SystemExit, match="--header"):
+            parse_headers([bad])
