@@ -313,13 +313,14 @@ def _vllm_client(
         # Per-request start times and TTFTs: the measured window, and the persona figures.
         "--save-detailed",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-        *(["--header", f"X-Priority={args.priority}"] if args.priority else []),
+        *_priority_header(args, "="),  # vLLM's client reads "Name=value"
     ]  # fmt: skip
 
 
-def _our_headers(args: argparse.Namespace) -> list[str]:
-    """``--priority`` as our clients' ``--header`` option (none without it)."""
-    return ["--header", f"X-Priority: {args.priority}"] if args.priority else []
+def _priority_header(args: argparse.Namespace, separator: str = ": ") -> list[str]:
+    """``--priority`` as a client's ``--header`` option, its name and value joined by
+    ``separator`` (none without it)."""
+    return ["--header", f"X-Priority{separator}{args.priority}"] if args.priority else []
 
 
 def _our_client(
@@ -337,7 +338,7 @@ def _our_client(
             "--max-tokens", str(args.output_len),
             "--seed", str(concurrency),
             "--output", str(out),
-            *_our_headers(args),
+            *_priority_header(args),
         ]  # fmt: skip
     return [
         str(Path(sys.executable).with_name("charserve")), "bench",
@@ -351,7 +352,7 @@ def _our_client(
         # Every gap's time, to place it in the CPU counters' windows (clean_itl).
         "--save-detailed",
         "--output", str(out),
-        *_our_headers(args),
+        *_priority_header(args),
     ]  # fmt: skip
 
 
