@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from gateway.chat.pieces import PieceEncoder
 from gateway.chat.schemas import (
     TEXT_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -118,6 +119,9 @@ class PromptBuilder:
         # a short prompt). A slow tokenizer has none: then transformers encodes.
         backend = getattr(self._tokenizer, "backend_tokenizer", None)
         self._backend: Any = backend if hasattr(backend, "encode_batch") else None
+        # Where cutting at special tokens gives the tokenizer's own ids, a turn encodes
+        # only its new pieces (see gateway.chat.pieces).
+        self._pieces = PieceEncoder.of(self._backend)
         self.max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens
         # No token covers more characters than the longest one in the vocabulary, so a text
@@ -151,6 +155,8 @@ class PromptBuilder:
         except Exception as exc:  # the template rejected this conversation
             raise BadRequest(f"cannot render the messages: {exc}", param="messages") from exc
         # The template already placed the special tokens, as vLLM's chat path does.
+        if self._pieces is not None:
+            return self._pieces.encode(text)
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False))

@@ -676,24 +676,37 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _uncarriable(value: Any, path: str) -> tuple[str, str] | None:
     """The first place in ``value`` that a job cannot carry, and why."""
+    found = _first_uncarriable(value)
+    if found is None:
+        return None
+    where, why = found
+    return ".".join([path, *reversed(where)] if path else reversed(where)), why
+
+
+def _first_uncarriable(value: Any) -> tuple[list[str], str] | None:
+    """The first place in ``value`` that a job cannot carry (its path, innermost first),
+    and why. Paths are built only for what is found: every request passes through here."""
+    if isinstance(value, str):
+        # An ASCII text (most of them) holds no surrogate, and str.isascii() is O(1).
+        if not value.isascii() and _SURROGATE.search(value):
+            return [], "text must be valid Unicode (this holds a lone surrogate)"
+        return None
     if isinstance(value, BaseModel):
         # Its fields; not dict(value), which a field named "keys" would break.
-        value = dict(value.__dict__)
+        value = value.__dict__
     if isinstance(value, dict):
         for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
-            found = _uncarriable(key, where) or _uncarriable(item, where)
+            found = _first_uncarriable(key) or _first_uncarriable(item)
             if found:
+                found[0].append(str(key))
                 return found
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            found = _uncarriable(item, f"{path}.{index}")
+            found = _first_uncarriable(item)
             if found:
+                found[0].append(str(index))
                 return found
-    elif isinstance(value, str):
-        if _SURROGATE.search(value):
-            return path, "text must be valid Unicode (this holds a lone surrogate)"
     elif isinstance(value, int) and not isinstance(value, bool):
         if not _INT_MIN <= value <= _INT_MAX:
-            return path, "integers must fit in 64 bits"
+            return [], "integers must fit in 64 bits"
     return None

@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -55,7 +56,11 @@ class RequestMeta:
 
     def encode(self) -> bytes:
         """JSON for Redis."""
-        return json.dumps(asdict(self)).encode()
+        # Field by field: dataclasses.asdict deep-copies every value, on every request.
+        fields = {name: getattr(self, name) for name in _META_FIELDS}
+        if self.tools is not None:
+            fields["tools"] = asdict(self.tools)
+        return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> RequestMeta:
@@ -63,6 +68,9 @@ class RequestMeta:
         fields = json.loads(raw)
         tools = fields.pop("tools", None)
         return cls(**fields, tools=ToolMode(**tools) if tools else None)
+
+
+_META_FIELDS = tuple(f.name for f in dataclass_fields(RequestMeta))
 
 
 def reply_body(meta: RequestMeta, text: str, final: Chunk) -> dict[str, Any]:
