@@ -397,6 +397,23 @@ async def test_disconnect_mid_stream_aborts_the_engine_request(gateway: Gateway)
     await gateway.engine.wait_until(lambda: walked in gateway.engine.aborted, timeout_s=5)
 
 
+async def test_disconnect_while_the_reply_pauses_aborts_it(gateway: Gateway) -> None:
+    # The engine stops after the first token, so nothing is written that could fail: only
+    # the reply's watch on the connection can see the client leave.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}
+    try:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        paused = json.loads(line[6:])["id"].removeprefix("chatcmpl-")
+                        gateway.engine.release.clear()
+                        break
+        await gateway.engine.wait_until(lambda: paused in gateway.engine.aborted, timeout_s=5)
+    finally:
+        gateway.engine.release.set()
+
+
 async def test_worker_error_before_first_token_gets_a_status(
     http: httpx.AsyncClient, gateway: Gateway
 ) -> None:
