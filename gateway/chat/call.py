@@ -39,8 +39,7 @@ from typing import Any
 import structlog
 from fastapi.responses import StreamingResponse
 from redis.exceptions import OutOfMemoryError, RedisError
-from starlette.types import Receive as ASGIReceive
-from starlette.types import Scope, Send
+from starlette.types import Send
 
 from cluster.errors import Disconnected
 from cluster.runtime.clock import RedisClock
@@ -60,6 +59,7 @@ from gateway.http.errors import (
 from gateway.http.handlers import redis_unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.streaming.relay import Inbox, SlowConsumer
+from gateway.streaming.response import EndingResponse, wait_disconnect
 from gateway.streaming.resume import RequestMeta
 from gateway.streaming.socket_writer import ConnectionWriter
 from gateway.streaming.sse import DONE, KEEPALIVE, KEEPALIVE_END, ChunkFormatter, error_event
@@ -82,15 +82,10 @@ class ClientGone(Disconnected):
     """The client disconnected before the reply started."""
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _outwait(work: asyncio.Future[Any], receive: Receive, timeout_s: float | None) -> bool:
     """Wait for ``work`` (up to ``timeout_s``) unless the client disconnects first (then
     raise ClientGone). True when it is done; False when the time ran out (it runs on)."""
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -577,7 +572,7 @@ class ChatCall:
         self._trace.end(error=error)
 
 
-class _CallResponse(StreamingResponse):
+class _CallResponse(EndingResponse):
     """A streamed reply that ends its call when the response is over, whether its body
     ran to the end, stopped early, or never started (the client left before the head)."""
 
@@ -585,31 +580,6 @@ class _CallResponse(StreamingResponse):
         super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         self._call = call
 
-    async def __call__(self, scope: Scope, receive: ASGIReceive, send: Send) -> None:
-        # What StreamingResponse does under ASGI 2.3 (uvicorn's): the body streams while a
-        # watcher waits for the client's disconnect, which ends the body. Here in plain
-        # asyncio, one task per reply, not anyio's task group and cancel scopes, which
-        # cost about 7% of the gateway's CPU per short request.
-        streaming = asyncio.current_task()
-        assert streaming is not None
-        watcher = asyncio.get_running_loop().create_task(_end_on_disconnect(receive, streaming))
-        try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not _fired(watcher):
-                raise  # cancelled from outside (the server stops): not the client leaving
-            streaming.uncancel()  # the client left: the reply ends here
-        finally:
-            watcher.cancel()
-            self._call.end(Outcome.CANCELLED)
-
-
-async def _end_on_disconnect(receive: ASGIReceive, streaming: asyncio.Task[Any]) -> bool:
-    """Cancel ``streaming`` once the client disconnects."""
-    await _wait_disconnect(receive)
-    streaming.cancel()
-    return True
-
-
-def _fired(watcher: asyncio.Task[bool]) -> bool:
-    return watcher.done() and not watcher.cancelled() and watcher.exception() is None
+    def ended(self) -> None:
+        """End the call (cancelled, unless it ended already)."""
+        self._call.end(Outcome.CANCELLED)

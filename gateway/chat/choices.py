@@ -24,14 +24,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import structlog
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive as ASGIReceive
-from starlette.types import Scope, Send
 
 from cluster.wire.protocol import Chunk
 from cluster.wire.vocabulary import Outcome
 from gateway.chat.call import SSE_HEADERS, ChatCall, Receive, race_disconnect
 from gateway.http.errors import APIError, GatewayTimeout, SlowClient, from_worker
 from gateway.streaming.relay import SlowConsumer
+from gateway.streaming.response import EndingResponse
 from gateway.streaming.sse import (
     DONE,
     KEEPALIVE,
@@ -182,15 +181,13 @@ def _failure(chunk: Chunk | None, exc: BaseException | None) -> APIError:
     return APIError(f"the reply failed: {exc}")
 
 
-class _ChoicesResponse(StreamingResponse):
+class _ChoicesResponse(EndingResponse):
     """A merged stream that ends its calls when the response is over, however it ends."""
 
     def __init__(self, choices: Choices, body: AsyncIterator[bytes], headers: dict[str, str]):
         super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         self._choices = choices
 
-    async def __call__(self, scope: Scope, receive: ASGIReceive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._choices.end(Outcome.CANCELLED)
+    def ended(self) -> None:
+        """End every choice's call (cancelled, unless it ended already)."""
+        self._choices.end(Outcome.CANCELLED)

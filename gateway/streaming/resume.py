@@ -20,7 +20,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
@@ -28,6 +27,7 @@ from cluster.wire.protocol import Chunk
 from cluster.wire.replylog import REPLY_FIELD
 from cluster.wire.vocabulary import DropReason
 from gateway.http.errors import BadRequest, GatewayTimeout, NotFound, refused
+from gateway.streaming.response import EndingResponse
 from gateway.streaming.sse import (
     DONE,
     KEEPALIVE,
@@ -261,7 +261,7 @@ class Readers:
         return _ReaderResponse(self, tenant, body, headers)
 
 
-class _ReaderResponse(StreamingResponse):
+class _ReaderResponse(EndingResponse):
     def __init__(
         self, readers: Readers, tenant: str, body: AsyncIterator[bytes], headers: dict[str, str]
     ) -> None:
@@ -269,8 +269,6 @@ class _ReaderResponse(StreamingResponse):
         self._readers = readers
         self._tenant = tenant
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._readers.release(self._tenant)
+    def ended(self) -> None:
+        """Give the tenant's reader back."""
+        self._readers.release(self._tenant)
