@@ -414,7 +414,7 @@ class SamplingRequest(BaseModel):
         """400, not a 500 later, for what the job cannot carry: an integer beyond 64 bits
         (msgpack), text with a lone surrogate (UTF-8, the tokenizer), a logit_bias key
         that looks like a token id but is not one; and for options that contradict."""
-        found = _uncarriable(self, "")
+        found = _uncarriable(self)
         for key in self.logit_bias or {}:
             digits = key.removeprefix("-")
             if found is None and digits.isdigit():  # the others are refused by the route
@@ -674,13 +674,10 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _uncarriable(value: Any, path: str) -> tuple[str, str] | None:
-    """The first place in ``value`` that a job cannot carry, and why."""
+def _uncarriable(value: Any) -> tuple[str, str] | None:
+    """The first place in ``value`` that a job cannot carry (its dotted path), and why."""
     found = _first_uncarriable(value)
-    if found is None:
-        return None
-    where, why = found
-    return ".".join([path, *reversed(where)] if path else reversed(where)), why
+    return None if found is None else (".".join(reversed(found[0])), found[1])
 
 
 def _first_uncarriable(value: Any) -> tuple[list[str], str] | None:
