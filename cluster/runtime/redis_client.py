@@ -224,14 +224,20 @@ class _RedisCluster(aiocluster.RedisCluster):
 
 class _ClusterPipeline(aiocluster.ClusterPipeline):
     """redis-py's cluster pipeline, which refuses ``TIME`` (keyless commands are blocked
-    in cluster pipelines). charserve's heartbeat and capacity reads pipeline ``TIME``
-    with their keyed reads to follow Redis's clock: it goes to the client's default node,
-    in parallel with the keyed commands' node (a cluster's clocks must agree, as the
-    scripts' lease times come from the node of the namespace's slot)."""
+    in cluster pipelines) and ``EVALSHA``. charserve's heartbeat and capacity reads
+    pipeline ``TIME`` with their keyed reads to follow Redis's clock: it goes to the
+    client's default node, in parallel with the keyed commands' node (a cluster's clocks
+    must agree, as the scripts' lease times come from the node of the namespace's slot)."""
 
     def time(self, **kwargs: Any) -> Any:
         """Queue ``TIME``."""
         return self.execute_command("TIME", **kwargs)
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        """Queue ``EVALSHA``, which redis-py blocks in cluster pipelines: the cluster
+        client finds its slot from its keys, as for a call outside a pipeline (a clump of
+        enqueues is pipelined; every key of a namespace shares one slot)."""
+        return self.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
 
 
 class _ClusterPubSub(aiocluster.ClusterPubSub):

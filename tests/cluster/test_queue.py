@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import Counter
+from unittest.mock import patch
 
 import redis.asyncio as aioredis
 
@@ -456,3 +457,45 @@ async def test_position_counts_the_fair_share(redis: aioredis.Redis, keys: Keys)
     position = await queue.position(mine)
     assert position.ahead == 50 and position.own_ahead == 0 and position.tenants == 2
     assert position.fair_ahead == 1  # one turn of a, then b0
+
+
+async def test_enqueues_of_one_turn_go_together_each_with_its_own_answer(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys)
+    with patch.object(redis, "pipeline", wraps=redis.pipeline) as pipelines:
+        burst = [queue.enqueue(job(f"b{i}", i, 100 + i), max_waiting=3) for i in range(5)]
+        burst.append(queue.enqueue(job("b0", 9, 109)))  # the same id again
+        answers = await asyncio.gather(*burst)
+        assert [a.status for a in answers] == ["queued"] * 3 + ["queue_full"] * 2 + ["duplicate"]
+        assert pipelines.call_count == 1
+        assert await ids(queue, "w1", 10) == ["b0", "b1", "b2"]
+        await queue.enqueue(job("alone", 20, 120))  # a call alone takes no pipeline
+        assert pipelines.call_count == 1
+
+
+async def test_a_burst_enqueues_after_redis_lost_its_scripts(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys)
+    await queue.enqueue(job("first", 1, 100))
+    await redis.script_flush()
+    answers = await asyncio.gather(*(queue.enqueue(job(f"s{i}", i, 200 + i)) for i in range(3)))
+    assert [a.status for a in answers] == ["queued"] * 3
+    assert len(await ids(queue, "w1", 10)) == 4
+
+
+async def test_a_clump_larger_than_a_pipeline_goes_in_several(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys)
+    with (
+        patch("cluster.wire.queue.BATCH_CALLS", 4),
+        patch.object(redis, "pipeline", wraps=redis.pipeline) as pipelines,
+    ):
+        answers = await asyncio.gather(
+            *(queue.enqueue(job(f"c{i}", i, 100 + i)) for i in range(10))
+        )
+        assert [a.status for a in answers] == ["queued"] * 10
+        assert pipelines.call_count == 3
+    assert len(await ids(queue, "w1", 20)) == 10
