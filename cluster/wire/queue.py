@@ -957,12 +957,17 @@ class _Batched:
 
     async def _flush(self) -> None:
         calls, self._pending = self._pending, []
-        if len(calls) == 1:
-            keys, args, future = calls[0]
-            await self._settle(future, self._script(keys=keys, args=args))
-            return
-        for at in range(0, len(calls), BATCH_CALLS):
-            await self._send(calls[at : at + BATCH_CALLS])
+        try:
+            if len(calls) == 1:
+                keys, args, future = calls[0]
+                await self._settle(future, self._script(keys=keys, args=args))
+                return
+            for at in range(0, len(calls), BATCH_CALLS):
+                await self._send(calls[at : at + BATCH_CALLS])
+        finally:  # cancelled (the process stopping): no caller waits forever
+            for _, _, future in calls:
+                if not future.done():
+                    future.cancel()
 
     async def _send(self, calls: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]) -> None:
         try:
@@ -970,10 +975,6 @@ class _Batched:
                 for keys, args, _ in calls:
                     pipe.evalsha(self._script.sha, len(keys), *keys, *args)
                 replies = await pipe.execute(raise_on_error=False)
-        except asyncio.CancelledError:
-            for _, _, future in calls:
-                future.cancel()
-            raise
         except Exception as exc:  # the round trip failed: every call in it did
             for _, _, future in calls:
                 if not future.done():

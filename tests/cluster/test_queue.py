@@ -499,3 +499,22 @@ async def test_a_clump_larger_than_a_pipeline_goes_in_several(
         assert [a.status for a in answers] == ["queued"] * 10
         assert pipelines.call_count == 3
     assert len(await ids(queue, "w1", 20)) == 10
+
+
+async def test_a_flush_cut_short_leaves_no_caller_waiting(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    queue = JobQueue(redis, keys)
+    hang = asyncio.Event()
+
+    async def never(*args: object, **kwargs: object) -> None:
+        await hang.wait()
+
+    with patch.object(type(redis.pipeline()), "execute", never):
+        calls = [asyncio.create_task(queue.enqueue(job(f"h{i}", i, 100 + i))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        for flush in list(queue._enqueue._flushing):  # the process stopping
+            flush.cancel()
+        done, pending = await asyncio.wait(calls, timeout=5)
+    assert not pending
+    assert all(task.cancelled() for task in done)
