@@ -977,25 +977,28 @@ class _Batched:
                 replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the round trip failed: every call in it did
             for _, _, future in calls:
-                if not future.done():
-                    future.set_exception(exc)
+                _answer(future, exc)
             return
         for (keys, args, future), reply in zip(calls, replies, strict=True):
             if isinstance(reply, NoScriptError):  # Redis restarted: the script loads
                 await self._settle(future, self._script(keys=keys, args=args))
-            elif isinstance(reply, Exception):
-                if not future.done():
-                    future.set_exception(reply)
-            elif not future.done():
-                future.set_result(reply)
+            else:
+                _answer(future, reply)
 
     @staticmethod
     async def _settle(future: asyncio.Future[Any], reply: Awaitable[Any]) -> None:
         try:
             result = await reply
         except Exception as exc:
-            if not future.done():
-                future.set_exception(exc)
-            return
-        if not future.done():
-            future.set_result(result)
+            result = exc
+        _answer(future, result)
+
+
+def _answer(future: asyncio.Future[Any], reply: Any) -> None:
+    """Give a caller still waiting its reply (an exception is raised to it)."""
+    if future.done():  # its caller left
+        return
+    if isinstance(reply, Exception):
+        future.set_exception(reply)
+    else:
+        future.set_result(reply)
