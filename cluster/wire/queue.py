@@ -50,7 +50,6 @@ Redis's own clock (``TIME``), so processes on machines with skewed clocks agree.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,6 +61,7 @@ from redis.exceptions import NoScriptError
 from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Job
+from cluster.wire.turns import Call, TurnBatch
 from cluster.wire.vocabulary import BATCH_SCORE_OFFSET, PriorityClass
 
 QueuePolicy = Literal["edf", "fifo"]
@@ -933,72 +933,49 @@ class _Batched:
     round trip and one task, where each call alone had a round trip and redis-py's task
     for its write. Redis runs what each of its reads brings back to back (up to 16 KB a
     read), so a worker's claim finds the clump in a few parts at most, rather than in as
-    many as the round trips that wrote it. A call alone goes at once: the pipeline takes
-    only the calls already made when it is sent.
+    many as the round trips that wrote it. A call alone goes at once, as one script call
+    (:class:`~cluster.wire.turns.TurnBatch` takes only the calls already made).
     """
 
     def __init__(self, redis: aioredis.Redis, script: AsyncScript) -> None:
         self._redis = redis
         self._script = script
-        self._pending: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
-        self._flushing: set[asyncio.Task[None]] = set()
+        self._turn: TurnBatch[tuple[list[Any], list[Any]]] = TurnBatch(self._send)
 
     async def call(self, keys: list[Any], args: list[Any]) -> Any:
         """The script's reply for ``keys`` and ``args``."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((keys, args, future))
-        if len(self._pending) == 1:
-            # Runs after the callbacks already due this turn: the rest of the clump.
-            task = loop.create_task(self._flush())
-            self._flushing.add(task)
-            task.add_done_callback(self._flushing.discard)
-        return await future
+        return await self._turn.call((keys, args))
 
-    async def _flush(self) -> None:
-        calls, self._pending = self._pending, []
-        try:
-            if len(calls) == 1:
-                keys, args, future = calls[0]
-                await self._settle(future, self._script(keys=keys, args=args))
-                return
-            for at in range(0, len(calls), BATCH_CALLS):
-                await self._send(calls[at : at + BATCH_CALLS])
-        finally:  # cancelled (the process stopping): no caller waits forever
-            for _, _, future in calls:
-                if not future.done():
-                    future.cancel()
+    async def _send(self, calls: list[Call[tuple[list[Any], list[Any]]]]) -> None:
+        if len(calls) == 1:
+            keys, args = calls[0].item
+            await self._settle(calls[0], self._script(keys=keys, args=args))
+            return
+        for at in range(0, len(calls), BATCH_CALLS):
+            await self._pipeline(calls[at : at + BATCH_CALLS])
 
-    async def _send(self, calls: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]) -> None:
+    async def _pipeline(self, calls: list[Call[tuple[list[Any], list[Any]]]]) -> None:
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for keys, args, _ in calls:
+                for call in calls:
+                    keys, args = call.item
                     pipe.evalsha(self._script.sha, len(keys), *keys, *args)
                 replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the round trip failed: every call in it did
-            for _, _, future in calls:
-                _answer(future, exc)
+            for call in calls:
+                call.answer(exc)
             return
-        for (keys, args, future), reply in zip(calls, replies, strict=True):
+        for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, NoScriptError):  # Redis restarted: the script loads
-                await self._settle(future, self._script(keys=keys, args=args))
+                keys, args = call.item
+                await self._settle(call, self._script(keys=keys, args=args))
             else:
-                _answer(future, reply)
+                call.answer(reply)
 
     @staticmethod
-    async def _settle(future: asyncio.Future[Any], reply: Awaitable[Any]) -> None:
+    async def _settle(call: Call[Any], reply: Awaitable[Any]) -> None:
         try:
             result = await reply
         except Exception as exc:
             result = exc
-        _answer(future, result)
-
-
-def _answer(future: asyncio.Future[Any], reply: Any) -> None:
-    """Give a caller still waiting its reply (an exception is raised to it)."""
-    if future.done():  # its caller left
-        return
-    if isinstance(reply, Exception):
-        future.set_exception(reply)
-    else:
-        future.set_result(reply)
+        call.answer(result)

@@ -513,7 +513,7 @@ async def test_a_flush_cut_short_leaves_no_caller_waiting(
     with patch.object(type(redis.pipeline()), "execute", never):
         calls = [asyncio.create_task(queue.enqueue(job(f"h{i}", i, 100 + i))) for i in range(3)]
         await asyncio.sleep(0.05)
-        for flush in list(queue._enqueue._flushing):  # the process stopping
+        for flush in list(queue._enqueue._turn._sending):  # the process stopping
             flush.cancel()
         done, pending = await asyncio.wait(calls, timeout=5)
     assert not pending
