@@ -37,7 +37,7 @@ class Call(Generic[T]):
 
     def answer(self, reply: Any) -> None:
         """Give the caller its reply, unless it left; an exception is raised to it."""
-        if self.future.done():
+        if self.left:
             return
         if isinstance(reply, BaseException):
             self.future.set_exception(reply)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from cluster.wire.turns import Call
+
 # Bounds one script call (Redis runs nothing else meanwhile): about ten commands an ack.
 MAX_ACKS_PER_CALL = 256
 
@@ -32,18 +34,19 @@ class AckBatcher:
     def __init__(self, queue: AckQueue, worker_id: str) -> None:
         self._queue = queue
         self._worker_id = worker_id
-        self._pending: list[tuple[str, int, asyncio.Future[bool]]] = []
+        self._pending: list[Call[tuple[str, int]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.calls = 0  # script calls made, for tests and the curious
 
     async def ack(self, job_id: str, completion_tokens: int = 0) -> bool:
         """Ack one job; False if its lease was no longer ours. Raises what the call raised
         (a ``RedisError``): the job's lease then expires and it is recovered."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending.append((job_id, completion_tokens, done))
+        call = Call((job_id, completion_tokens), asyncio.get_running_loop().create_future())
+        self._pending.append(call)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush(), name="acks")
-        return await done
+        result: bool = await call.future
+        return result
 
     async def close(self) -> None:
         """Wait for the acks already asked for."""
@@ -56,18 +59,14 @@ class AckBatcher:
             del self._pending[:MAX_ACKS_PER_CALL]
             self.calls += 1
             try:
-                results = await self._queue.ack_many(
-                    self._worker_id, [(job_id, tokens) for job_id, tokens, _ in batch]
-                )
+                results = await self._queue.ack_many(self._worker_id, [call.item for call in batch])
             except asyncio.CancelledError:
-                for _, _, done in batch + self._pending:
-                    done.cancel()
+                for call in batch + self._pending:
+                    call.future.cancel()
                 raise
             except Exception as exc:  # every waiter gets the call's own error
-                for _, _, done in batch:
-                    if not done.done():
-                        done.set_exception(exc)
+                for call in batch:
+                    call.answer(exc)
                 continue
-            for (_, _, done), result in zip(batch, results, strict=True):
-                if not done.done():  # its waiter may have been cancelled meanwhile
-                    done.set_result(result)
+            for call, result in zip(batch, results, strict=True):
+                call.answer(result)  # unless its waiter was cancelled meanwhile
