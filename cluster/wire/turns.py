@@ -76,5 +76,4 @@ class TurnBatch(Generic[T]):
             await self._send(calls)
         finally:
             for call in calls:
-                if not call.future.done():
-                    call.future.cancel()
+                call.future.cancel()  # those answered, or whose caller left, stay as they are
