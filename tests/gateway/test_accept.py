@@ -187,3 +187,15 @@ def test_tls_and_given_sockets_keep_uvloops_server() -> None:
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())
+
+
+def test_charserve_gateway_runs_uvicorn_on_this_loop() -> None:
+    """``cluster`` names the factory by string (it never imports ``gateway``)."""
+    import inspect
+
+    from uvicorn.importer import import_from_string
+
+    from cluster.ops import cli
+
+    assert import_from_string(accept.LOOP_FACTORY) is new_event_loop
+    assert f'loop="{accept.LOOP_FACTORY}"' in inspect.getsource(cli.cmd_gateway)
