@@ -45,28 +45,15 @@ LOOP_FACTORY = "gateway.http.accept:new_event_loop"
 
 def bind(host: str | None, port: int, backlog: int) -> list[socket.socket]:
     """Listening, non-blocking sockets for every address ``host`` resolves to (all
-    interfaces for None or ""), with the options asyncio's ``create_server`` sets:
-    ``SO_REUSEADDR``, and ``IPV6_V6ONLY`` on IPv6 so both families can bind one port."""
+    interfaces for None or ""), each made by :func:`socket.create_server` (with
+    ``SO_REUSEADDR``, and ``IPV6_V6ONLY`` on IPv6, as asyncio's ``create_server``); a
+    taken port is an ``OSError`` naming the address."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
-    seen: set[tuple[int, Any]] = set()
     try:
-        for family, kind, proto, _, address in infos:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
-            sock = socket.socket(family, kind, proto)
+        for family, address in dict.fromkeys((info[0], info[4]) for info in infos):
+            sock = socket.create_server(address, family=family, backlog=backlog)
             sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                raise OSError(
-                    exc.errno, f"error while attempting to bind on address {address!r}: {exc}"
-                ) from None
-            sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
         for sock in sockets:
@@ -111,8 +98,7 @@ class BurstAcceptServer(asyncio.AbstractServer):
         if self._serving or not self._sockets:
             return
         self._serving = True
-        for sock in self._sockets:
-            self._loop.add_reader(sock.fileno(), self._accept, sock)
+        self._watch()
 
     async def serve_forever(self) -> None:
         """Accept until closed."""
@@ -141,11 +127,14 @@ class BurstAcceptServer(asyncio.AbstractServer):
         for sock in self._sockets:
             self._loop.remove_reader(sock.fileno())
 
+    def _watch(self) -> None:
+        for sock in self._sockets:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
     def _resume(self) -> None:
         self._retry = None
         if self._serving:
-            for sock in self._sockets:
-                self._loop.add_reader(sock.fileno(), self._accept, sock)
+            self._watch()
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(MAX_ACCEPTS_PER_TURN):

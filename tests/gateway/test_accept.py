@@ -176,7 +176,7 @@ def test_a_taken_port_is_an_error_naming_the_address() -> None:
         taken.close()
 
 
-def test_tls_and_given_sockets_keep_uvloops_server() -> None:
+def test_a_given_socket_keeps_uvloops_server() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         assert isinstance(loop, GatewayLoop)
