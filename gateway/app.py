@@ -37,9 +37,16 @@ class GatewayApp(FastAPI):
     chat route's streams write tokens through it (:mod:`gateway.streaming.socket_writer`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[RAW_SEND] = send
-        await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        scope[RAW_SEND] = send
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # uvicorn's request cycle holds the scope, and ``send`` holds the cycle: drop
+            # the key so reference counting frees the request when it ends.
+            scope.pop(RAW_SEND, None)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

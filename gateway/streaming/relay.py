@@ -237,6 +237,9 @@ class Inbox:
         """Forget a request (done, failed or abandoned)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            # The sink holds the request's call, which holds this stream: let reference
+            # counting free them now, not a later garbage collection.
+            stream.direct = None
             left = self._by_tenant.get(stream.tenant, 1) - 1
             if left > 0:
                 self._by_tenant[stream.tenant] = left

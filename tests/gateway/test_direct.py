@@ -4,13 +4,17 @@ everything else keeps the queue, in order, exactly once."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import weakref
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
+from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk
-from gateway.streaming.relay import ReplyStream
+from gateway.streaming.relay import Inbox, ReplyStream
 from gateway.streaming.socket_writer import ConnectionWriter, check_uvicorn
 from tests.fakes import make_chunk
 from tests.gateway.conftest import Gateway
@@ -144,6 +148,66 @@ async def test_a_stream_through_uvicorn_writes_its_tokens_directly(
     # Most tokens took the direct path, and what it wrote is what the client got.
     assert len(writes) >= 20
     assert all(w.decode() in resp.text for w in writes)
+
+
+async def test_a_released_stream_lets_go_of_the_call_its_sink_writes_for(
+    redis: aioredis.Redis,
+) -> None:
+    """A call holds its stream and the stream's sink holds the call (as ``ChatCall`` and
+    its direct sink do): releasing the stream breaks the cycle, so reference counting
+    frees the call when its request ends, not a collection that pauses every stream."""
+
+    class Call:
+        def __init__(self, stream: ReplyStream) -> None:
+            self.stream = stream
+            stream.direct = self.sink
+
+        def sink(self, chunk: Chunk) -> bool:
+            return True
+
+    inbox = Inbox(redis, Keys("t"), "g")  # not started: open and release only
+    call = Call(inbox.open("r1", "tenant"))
+    gone = weakref.ref(call)
+    gc.disable()
+    try:
+        inbox.release("r1")
+        del call
+        freed = gone() is None
+    finally:
+        gc.enable()
+    assert freed and inbox.open_for("tenant") == 0
+
+
+async def test_finished_requests_leave_nothing_for_the_garbage_collector(
+    gateway: Gateway,
+) -> None:
+    """A request's objects are freed by reference counting when it ends: uvicorn's cycle
+    holds the scope, so a scope that held the cycle's ``send`` after the request would
+    leave both to a collection that pauses every stream of the gateway."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    gateway.engine.delay_s = 0.02  # the reader waits, so the direct sink is armed
+    gc.collect()
+    gc.disable()  # from here on only reference counting frees anything, until the count
+    try:
+        # A connection of its own, closed before the count: uvicorn keeps an open
+        # connection's last request cycle.
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
+            for stream in (True, False, True):
+                resp = await http.post("/v1/chat/completions", json={**body, "stream": stream})
+                assert resp.status_code == 200
+        await asyncio.sleep(0.1)  # the server sees the connection close
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collection finds is kept, to be looked at
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, RequestResponseCycle)]
+        left += ["scope" for o in gc.garbage if isinstance(o, dict) and o.get("type") == "http"]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        gateway.engine.delay_s = 0.002
+    assert left == []
 
 
 async def test_a_failing_sink_is_dropped_and_the_stream_continues_queued() -> None:
