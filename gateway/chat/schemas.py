@@ -689,8 +689,14 @@ def _first_uncarriable(value: Any) -> tuple[list[str], str] | None:
             return [], "text must be valid Unicode (this holds a lone surrogate)"
         return None
     if isinstance(value, BaseModel):
-        # Its fields; not dict(value), which a field named "keys" would break.
-        value = value.__dict__
+        # Its fields (not dict(value), which a field named "keys" would break). A field's
+        # name is the model's own; most of a request's fields are None.
+        for key, item in value.__dict__.items():
+            found = None if item is None else _first_uncarriable(item)
+            if found:
+                found[0].append(key)
+                return found
+        return None
     if isinstance(value, dict):
         for key, item in value.items():
             found = _first_uncarriable(key) or _first_uncarriable(item)
