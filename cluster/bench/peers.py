@@ -36,12 +36,14 @@ Two workloads (``--workload``):
 While each client runs, a thread samples the server's ``vllm:num_requests_running`` (vLLM's
 own gauge, on both: charserve's gateway ``/metrics`` carries its replicas') and
 ``running_mean`` is its mean over the client's measured window: the engine's batch size at
-that offered load. Every run's JSON is kept in ``--out``; the table gives each figure's
-median over rounds and its ratio to ``vllm`` measured by the same client, then each
-round's own ratios (:func:`round_ratios`), whose spread is the machine's noise. Beside
-them each run reports the CPU steal over its window (:mod:`cluster.bench.steal`): the
-share of the cores' time the hypervisor gave elsewhere, so a run slowed by its neighbours
-is told apart from a slow server.
+that offered load. With ``--step-log`` it is the engine's own instead, every step weighted
+by its time (:func:`cluster.bench.steps.summarise`): charserve's page republishes its
+replicas' gauge every few seconds, a handful of point samples in a run. Every run's JSON
+is kept in ``--out``; the table gives each figure's median over rounds and its ratio to
+``vllm`` measured by the same client, then each round's own ratios (:func:`round_ratios`),
+whose spread is the machine's noise. Beside them each run reports the CPU steal over its
+window (:mod:`cluster.bench.steal`): the share of the cores' time the hypervisor gave
+elsewhere, so a run slowed by its neighbours is told apart from a slow server.
 
 Requests carry no priority header unless ``--priority`` names one, the same for every
 client and peer (vLLM's server ignores it). Without one, charserve judges them in its
@@ -813,7 +815,10 @@ def _measure_one(
     row: dict[str, Any] = {"round": r, "peer": peer.name, "client": client, "c": concurrency}
     step_log = peer.env.get(STEP_LOG_ENV)
     if step_log:  # a peer whose engine core logs its steps
-        row["engine_steps"] = steps.summarise(read_steps(Path(step_log), start_s, end_s))
+        engine = steps.summarise(read_steps(Path(step_log), start_s, end_s))
+        row["engine_steps"] = engine
+        if _is_number(engine.get("running_mean")):  # every step, not a sampled gauge
+            mean, points = float(engine["running_mean"]), int(engine["steps"])
     return {
         **row,
         **figures,

@@ -29,7 +29,9 @@ def summarise(steps: list[Step]) -> dict[str, float | str]:
       ``1×6 25×5``: a closed loop's streams reaching the engine in groups);
     - ``stalled_pct``: of the decodes in all steps (a running request's token), the percent
       that shared their step with a starting request's prefill, so waited for it;
-    - ``decode_step_ms``: the median time between two steps that started nothing.
+    - ``decode_step_ms``: the median time between two steps that started nothing;
+    - ``running_mean``: the engine's batch size over the steps' span, each step's requests
+      weighted by the time until the next step (exact, where a metrics gauge is sampled).
     """
     if not steps:
         return {}
@@ -44,7 +46,17 @@ def summarise(steps: list[Step]) -> dict[str, float | str]:
         "arrivals": " ".join(f"{n}×{k}" for n, k in sorted(sizes.items())),
         "stalled_pct": round(100.0 * stalled / decodes, 2) if decodes else 0.0,
         "decode_step_ms": _median_ms(gaps),
+        "running_mean": _running_mean(steps),
     }
+
+
+def _running_mean(steps: list[Step]) -> float:
+    """Requests in the engine, time-weighted over ``steps``' span; NaN for one step."""
+    span = steps[-1].at_s - steps[0].at_s
+    if span <= 0:
+        return float("nan")
+    held = sum(a.requests * (b.at_s - a.at_s) for a, b in itertools.pairwise(steps))
+    return round(held / span, 1)
 
 
 def _median_ms(values: list[float]) -> float:

@@ -42,12 +42,15 @@ def test_a_group_arriving_beside_running_decodes_stalls_them() -> None:
     assert s["stalled_pct"] == round(100 * 1 / decodes, 2)
     # Only the gaps after steps that started nothing: 40 ms each.
     assert s["decode_step_ms"] == 40.0
+    # 1 request for 50 ms, 4 for the 230 ms after it, over 280 ms.
+    assert s["running_mean"] == round((1 * 0.05 + 4 * 0.23) / 0.28, 1)
 
 
 def test_no_steps_summarise_to_nothing_and_one_step_has_no_decode_time() -> None:
     assert summarise([]) == {}
     one = summarise([Step(0.0, 4, 0, 0, 4)])
     assert one["stalled_pct"] == 0.0 and math.isnan(float(one["decode_step_ms"]))
+    assert math.isnan(float(one["running_mean"]))
 
 
 def test_a_step_carries_prompt_tokens_when_it_has_more_tokens_than_requests() -> None:
