@@ -37,10 +37,8 @@ class GatewayApp(FastAPI):
     chat route's streams write tokens through it (:mod:`gateway.streaming.socket_writer`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await super().__call__(scope, receive, send)
-            return
-        scope[RAW_SEND] = send
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
         try:
             await super().__call__(scope, receive, send)
         finally:
