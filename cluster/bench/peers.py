@@ -37,8 +37,9 @@ While each client runs, a thread samples the server's ``vllm:num_requests_runnin
 own gauge, on both: charserve's gateway ``/metrics`` carries its replicas') and
 ``running_mean`` is its mean over the client's measured window: the engine's batch size at
 that offered load. With ``--step-log`` it is the engine's own instead, every step weighted
-by its time (:func:`cluster.bench.steps.summarise`): charserve's page republishes its
-replicas' gauge every few seconds, a handful of point samples in a run. Every run's JSON
+by its time (:func:`cluster.bench.steps.summarise`), and the page is not scraped:
+charserve's republishes its replicas' gauge every few seconds, a handful of point samples
+in a run, and each scrape costs the server CPU while it is measured. Every run's JSON
 is kept in ``--out``; the table gives each figure's median over rounds and its ratio to
 ``vllm`` measured by the same client, then each round's own ratios (:func:`round_ratios`),
 whose spread is the machine's noise. Beside them each run reports the CPU steal over its
@@ -555,9 +556,10 @@ class RunningSampler:
     sequences, progress marker) per poll. Small and cheap: one GET and a regex scan. It
     also reads the machine's CPU counters (:mod:`cluster.bench.steal`) every
     :data:`CPU_READ_S` at most, from its start to its stop, so a run's
-    CPU steal can be told over its window, in windows of one length for every peer."""
+    CPU steal can be told over its window, in windows of one length for every peer.
+    ``url`` None: the counters only (a peer whose step log gives its batch size)."""
 
-    def __init__(self, url: str, poll_s: float) -> None:
+    def __init__(self, url: str | None, poll_s: float) -> None:
         self.url = url
         self.poll_s = poll_s
         self.samples: list[tuple[float, float, float]] = []
@@ -578,7 +580,7 @@ class RunningSampler:
                 if self._stop.wait(step):
                     break
                 self._read_cpu()
-                if tick % every:
+                if tick % every or self.url is None:
                     continue
                 try:
                     text = client.get(self.url).text
@@ -792,13 +794,16 @@ def _measure_one(
     else:
         cmd = _our_client(peer, concurrency, prompts, args, path)
     path.unlink(missing_ok=True)  # an earlier run's report is not this run's
-    sampler = RunningSampler(f"{peer.base_url}/metrics", peer.poll_s)
+    # A peer whose engine logs its steps gives its batch size exactly: no page to scrape
+    # (each scrape costs the server under measure CPU), no republished gauge to wait for.
+    step_log = peer.env.get(STEP_LOG_ENV)
+    sampler = RunningSampler(None if step_log else f"{peer.base_url}/metrics", peer.poll_s)
     with sampler.running():
         started_s = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
         ended_s = time.monotonic()
         # A republished gauge shows the run's last moments up to export_s late.
-        time.sleep(peer.export_s + peer.poll_s if peer.export_s else 0)
+        time.sleep(peer.export_s + peer.poll_s if peer.export_s and not step_log else 0)
     (out / f"{path.stem}.txt").write_text(done.stdout + done.stderr)
     (out / f"{path.stem}.running.json").write_text(json.dumps(sampler.samples))
     (out / f"{path.stem}.cpu.json").write_text(json.dumps(sampler.cpu))
@@ -810,15 +815,14 @@ def _measure_one(
     clean = clean_itl(sampler.cpu, read_detailed(client, args.workload, path))
     # The client's measured window when it reports one, else its whole run.
     start_s, end_s = figures.pop("start_s", started_s), figures.pop("end_s", ended_s)
-    mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
     steal = window_steal(sampler.cpu, start_s, end_s)
     row: dict[str, Any] = {"round": r, "peer": peer.name, "client": client, "c": concurrency}
-    step_log = peer.env.get(STEP_LOG_ENV)
-    if step_log:  # a peer whose engine core logs its steps
+    if step_log:  # every step of the window, not a sampled gauge
         engine = steps.summarise(read_steps(Path(step_log), start_s, end_s))
         row["engine_steps"] = engine
-        if _is_number(engine.get("running_mean")):  # every step, not a sampled gauge
-            mean, points = float(engine["running_mean"]), int(engine["steps"])
+        mean, points = float(engine.get("running_mean", NAN)), int(engine.get("steps", 0))
+    else:
+        mean, points = running_mean(sampler.samples, start_s, end_s, peer.poll_s, peer.export_s)
     return {
         **row,
         **figures,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -689,27 +690,28 @@ def _first_uncarriable(value: Any) -> tuple[list[str], str] | None:
             return [], "text must be valid Unicode (this holds a lone surrogate)"
         return None
     if isinstance(value, BaseModel):
-        # Its fields (not dict(value), which a field named "keys" would break). A field's
-        # name is the model's own; most of a request's fields are None.
-        for key, item in value.__dict__.items():
-            found = None if item is None else _first_uncarriable(item)
-            if found:
-                found[0].append(key)
-                return found
-        return None
+        # Its set fields (not dict(value), which a field named "keys" would break); a
+        # field's name is the model's own, and most of a request's fields are None.
+        fields = ((key, item) for key, item in value.__dict__.items() if item is not None)
+        return _first_uncarriable_item(fields, check_keys=False)
     if isinstance(value, dict):
-        for key, item in value.items():
-            found = _first_uncarriable(key) or _first_uncarriable(item)
-            if found:
-                found[0].append(str(key))
-                return found
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            found = _first_uncarriable(item)
-            if found:
-                found[0].append(str(index))
-                return found
-    elif isinstance(value, int) and not isinstance(value, bool):
+        return _first_uncarriable_item(value.items(), check_keys=True)
+    if isinstance(value, list | tuple):
+        return _first_uncarriable_item(enumerate(value), check_keys=False)
+    if isinstance(value, int) and not isinstance(value, bool):
         if not _INT_MIN <= value <= _INT_MAX:
             return [], "integers must fit in 64 bits"
+    return None
+
+
+def _first_uncarriable_item(
+    items: Iterable[tuple[Any, Any]], check_keys: bool
+) -> tuple[list[str], str] | None:
+    """:func:`_first_uncarriable` over (key or index, value) pairs (the keys too, if
+    ``check_keys``), the key prepended to the path found."""
+    for key, item in items:
+        found = (check_keys and _first_uncarriable(key)) or _first_uncarriable(item)
+        if found:
+            found[0].append(str(key))
+            return found
     return None

@@ -350,6 +350,13 @@ def test_the_sampler_reads_the_cpu_counters_from_its_start_to_its_stop() -> None
         assert "cpu" in window_steal(sampler.cpu, started_s, ended_s)
 
 
+def test_a_sampler_without_a_page_reads_only_the_cpu_counters() -> None:
+    sampler = RunningSampler(None, poll_s=0.05)
+    with sampler.running():
+        time.sleep(0.2)
+    assert sampler.samples == [] and len(sampler.cpu) >= 3
+
+
 def test_our_client_is_the_lean_one_unless_asked_for_httpx(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

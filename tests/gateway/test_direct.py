@@ -187,7 +187,7 @@ async def test_finished_requests_leave_nothing_for_the_garbage_collector(
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    gateway.engine.delay_s = 0.02  # the reader waits, so the direct sink is armed
+    gateway.engine.delay_s = 0.02  # tokens take the direct writer, which holds the cycle too
     gc.collect()
     gc.disable()  # from here on only reference counting frees anything, until the count
     try:
