@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -15,6 +16,7 @@ from cluster.wire import protocol
 from cluster.wire.keys import Keys
 from cluster.wire.protocol import Chunk, Job, WorkerStats
 from cluster.wire.queue import Claimed, JobQueue
+from cluster.wire.vocabulary import PriorityClass
 from tests.fakes import FakeEngine, FakePushEngine
 from tests.polling import Signal, eventually
 from workers.engines.base import EngineOutput
@@ -324,6 +326,51 @@ async def test_engine_failure_ends_the_job_not_the_worker(
         await queue.enqueue(make_job("good", inbox.channel))
         assert (await inbox.final("good"))[-1].finish_reason == "length"
     assert consumer.alive
+
+
+async def test_a_routine_job_logs_at_debug_anything_else_at_info(
+    redis_url: str, redis: aioredis.Redis, keys: Keys
+) -> None:
+    """A chat done at its first try has its gateway's line; its worker's is debug. A
+    failure, a retry and batch work keep an info line."""
+    engine = FakeEngine(max_slots=2)
+    config = ConsumerConfig(lease_ms=5000, heartbeat_ms=100, batch_reserve_slots=0)
+    consumer = Consumer(redis_url, keys, engine, config)
+    await consumer.start()
+    queue = JobQueue(redis, keys)
+    try:
+        with capture_logs() as logs:
+            async with Inbox(redis, keys.inbox("g1")) as inbox:
+                await queue.enqueue(make_job("chat", inbox.channel))
+                await inbox.final("chat")
+                retry = dataclasses.replace(make_job("retry", inbox.channel), attempt=1)
+                await queue.enqueue(retry)
+                await inbox.final("retry")
+                bulk = make_job("bulk", inbox.channel)
+                await queue.enqueue(dataclasses.replace(bulk, priority_class=PriorityClass.BATCH))
+                await inbox.final("bulk")
+                engine.fail_with = "boom"
+                await queue.enqueue(make_job("bad", inbox.channel))
+                await inbox.final("bad")
+
+                async def all_logged() -> bool:
+                    return sum(e["event"] == "job finished" for e in logs) == 4
+
+                await eventually(all_logged)
+    finally:
+        await consumer.close()
+    # In order: the chat, the retry, the batch job, the failure.
+    finished = [
+        (e["outcome"], e["attempt"], e["priority"], e["log_level"])
+        for e in logs
+        if e["event"] == "job finished"
+    ]
+    assert finished == [
+        ("completed", 0, "interactive", "debug"),
+        ("completed", 1, "interactive", "info"),
+        ("completed", 0, "batch", "info"),
+        ("error", 0, "interactive", "info"),
+    ]
 
 
 async def test_heartbeat_announces_the_worker(
