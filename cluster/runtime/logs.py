@@ -2,7 +2,8 @@
 
 charserve's own loggers render and write a line in structlog alone: a request's log
 line costs no standard-library record, caller lookup, handler or second record in the
-formatter (about a third of the time, measured in the gateway under load). Standard
+formatter, and is encoded by msgspec (a third of the time: about 10 µs a line against 30,
+in a plain process and in a Ray actor). Standard
 library loggers (vLLM, Ray, uvicorn) go through the same processors and renderer by way
 of a ``logging`` handler, so one process writes one format. Context such as
 ``request_id`` is bound with structlog's contextvars and carried in the Job, so worker
