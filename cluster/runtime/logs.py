@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 from typing import Any
@@ -88,10 +89,20 @@ class _LineWriter:
             try:
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):  # AttributeError: no stderr
                 pass
 
     debug = info = warning = warn = error = err = exception = critical = fatal = msg
+
+
+def _new_write_lock() -> None:
+    """A forked child starts with a free lock (the parent's may have been held by a
+    thread that does not exist in the child: vLLM forks its engine core)."""
+    global _write_lock
+    _write_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_write_lock)
 
 
 def _dumps(event: Any, **_: Any) -> str:

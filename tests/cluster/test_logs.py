@@ -104,3 +104,22 @@ def test_lines_follow_a_swapped_stderr_and_a_closed_one_is_not_an_error() -> Non
     )
     (line,) = done.stdout.splitlines()
     assert json.loads(line)["event"] == "to the swapped stream"
+
+
+def test_a_forked_child_logs_while_a_parent_thread_held_the_writer() -> None:
+    """vLLM forks its engine core from the replica: a child must not inherit a held lock."""
+    (line,) = run(
+        """
+        import os, signal
+        from cluster.runtime import logs
+        with logs._write_lock:  # as another thread of the parent writing at the fork
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)  # a child that hangs ends itself
+                log.info("from the child")
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        """
+    )
+    assert line["event"] == "from the child"
