@@ -178,6 +178,7 @@ class ChatCall:
         clock: RedisClock | None = None,
         user: str | None = None,
         trace: Trace | None = None,
+        client_request_id: str | None = None,
     ) -> None:
         self.job = job
         # The request's span (None: tracing is off); ended by end().
@@ -185,6 +186,7 @@ class ChatCall:
         # When the enqueue returned (wall clock ns; kept only while tracing).
         self._enqueued_ns = 0
         self._user = user  # the client's end user (OpenAI's ``user``), for abuse tracing
+        self._client_request_id = client_request_id  # the client's X-Request-Id, a label
         self._clock = clock or RedisClock()
         self._inbox = inbox
         self._queue = queue
@@ -538,6 +540,7 @@ class ChatCall:
             "request finished",
             outcome=outcome,
             request_id=self.job.id,
+            client_request_id=self._client_request_id,
             tenant=self.job.tenant,
             user=self._user,
             priority=self.job.priority_class,

@@ -366,6 +366,7 @@ class ChatService:
             clock=self._admitter.clock,
             user=request.user,
             trace=trace,
+            client_request_id=ctx.client_request_id,
         )
 
     async def _serve_choices(

@@ -9,8 +9,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from structlog.testing import capture_logs
 
 from tests.gateway.conftest import Gateway
+from tests.polling import eventually
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "system", "content": "You are Bob."}, {"role": "user", "content": "Hi"}]
@@ -49,12 +51,22 @@ async def test_non_streaming_reply(http: httpx.AsyncClient) -> None:
 
 
 async def test_client_request_id_is_kept(http: httpx.AsyncClient) -> None:
-    resp = await http.post(
-        "/v1/chat/completions",
-        headers={"X-Request-Id": "my-id-123"},
-        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
-    )
+    """Echoed back, and on the request's log line beside the server's own id."""
+    with capture_logs() as logs:
+        resp = await http.post(
+            "/v1/chat/completions",
+            headers={"X-Request-Id": "my-id-123"},
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
+        )
+
+        async def logged() -> bool:
+            return any(e["event"] == "request finished" for e in logs)
+
+        await eventually(logged)
     assert resp.headers["x-request-id"] == "my-id-123"
+    (line,) = [e for e in logs if e["event"] == "request finished"]
+    assert line["client_request_id"] == "my-id-123"
+    assert resp.json()["id"] == f"chatcmpl-{line['request_id']}" != "chatcmpl-my-id-123"
 
 
 @pytest.mark.parametrize("event_ids", [False, True])
