@@ -2,12 +2,12 @@
 
 charserve's own loggers render and write a line in structlog alone: a request's log
 line costs no standard-library record, caller lookup, handler or second record in the
-formatter, and is encoded by msgspec (a third of the time: about 10 µs a line against 30,
-in a plain process and in a Ray actor). Standard
-library loggers (vLLM, Ray, uvicorn) go through the same processors and renderer by way
-of a ``logging`` handler, so one process writes one format. Context such as
-``request_id`` is bound with structlog's contextvars and carried in the Job, so worker
-logs join up with gateway logs.
+formatter, and is encoded by msgspec (a third of the time: about 10 µs a line against
+30, in a plain process and in a Ray actor). Standard-library loggers (vLLM, Ray,
+uvicorn) go through the same processors and renderer by way of a ``logging`` handler,
+so one process writes one format. Context such as ``request_id`` is bound with
+structlog's contextvars and carried in the Job, so worker logs join up with gateway
+logs.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ os.register_at_fork(after_in_child=_new_write_lock)
 def _dumps(event: Any, **_: Any) -> str:
     """The event as one line of ASCII JSON: msgspec's encoder (several times the
     standard library's speed); the standard library's, with ``repr`` for what has no
-    JSON form, when msgspec refuses a value (say a key that is not a string) or its
-    line holds other than ASCII (msgspec does not escape it: a client's U+2028 in a
+    JSON form, when msgspec refuses the event (say a cycle) or its line holds other
+    than ASCII (msgspec does not escape it: a client's U+2028 in a
     field would split the line for a reader that splits on it)."""
     try:
         line = _encoder.encode(event)
@@ -120,7 +120,8 @@ def _dumps(event: Any, **_: Any) -> str:
     try:
         return json.dumps(event, default=repr)
     except (TypeError, ValueError, RecursionError):
-        # A nested key or a cycle: each top-level value that is not a scalar as its repr.
+        # A nested key JSON has no form for, or a cycle: each top-level value that is
+        # not a scalar as its repr.
         return json.dumps(
             {str(k): v if isinstance(v, _SCALARS) else repr(v) for k, v in event.items()}
         )
