@@ -95,6 +95,17 @@ class Job:
     # (cluster/runtime/tracing.py): the worker's spans become its children. Empty when off.
     traceparent: str = ""
 
+    @property
+    def first_try(self) -> bool:
+        """True for the job's first run: not a retry, nor a reply handed back mid-stream."""
+        return self.attempt == 0 and self.resume_seq == 0
+
+    @property
+    def latency_bound(self) -> bool:
+        """True unless batch work (:attr:`PriorityClass.latency_bound`; compared as text,
+        so a class this worker does not know is not an error here)."""
+        return self.priority_class != PriorityClass.BATCH
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:

@@ -42,7 +42,7 @@ from cluster.wire.keys import Keys
 from cluster.wire.presence import Presence
 from cluster.wire.protocol import Cancel, Job, WorkerStats
 from cluster.wire.queue import JobQueue, Poison
-from cluster.wire.vocabulary import ErrorCode, PriorityClass
+from cluster.wire.vocabulary import ErrorCode
 from workers.engines.base import Engine, EngineOutput, engine_priority, run_generation
 from workers.errors import ExpiredJobError, JobError
 from workers.loop.acks import AckBatcher
@@ -263,7 +263,7 @@ class Consumer:
                     continue
                 self._claimed_total += 1
                 self.metrics.claimed(job.priority_class)
-                if job.priority_class == PriorityClass.BATCH:
+                if not job.latency_bound:
                     self._batch_running.add(job.id)
                     self._pacer.take(1)
                 task = asyncio.create_task(self._run(job, claimed.now_ms), name=f"job-{job.id}")
@@ -318,7 +318,7 @@ class Consumer:
             len(job.prompt_token_ids),
             # Admission estimates latency-bound work: long batch prefills (multi-turn
             # backfills) must not make it look infeasible.
-            chat=job.priority_class != PriorityClass.BATCH,
+            chat=job.latency_bound,
             now_s=time.monotonic(),
         )
         self._prefilling_changed.set()
@@ -327,7 +327,7 @@ class Consumer:
         try:
             # A retry, or a reply a stopping replica handed back mid-stream, already met (or
             # missed) its budget on its first worker: finish it.
-            if job.attempt == 0 and job.resume_seq == 0 and claimed_ms > job.deadline_ms:
+            if job.first_try and claimed_ms > job.deadline_ms:
                 raise ExpiredJobError(
                     f"the request waited {claimed_ms - job.arrival_ms} ms in the queue, "
                     "past its latency budget"
@@ -399,12 +399,7 @@ class Consumer:
         # line (same request id, outcome, worker, queue and prefill times, tokens): its own
         # line here is debug. Each line a replica writes costs Ray's forwarding to the
         # driver about 0.1 ms of CPU on the head node. Anything else is worth a line.
-        routine = (
-            outcome == "completed"
-            and job.attempt == 0
-            and job.resume_seq == 0
-            and job.priority_class != PriorityClass.BATCH
-        )
+        routine = outcome == "completed" and job.first_try and job.latency_bound
         log.log(
             logging.DEBUG if routine else logging.INFO,
             "job finished",
